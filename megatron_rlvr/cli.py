@@ -1,0 +1,73 @@
+"""`megatron-rlvr` command line: train | convert | submit | compare-replay | bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from megatron_rlvr.config import ConfigError, load_config, to_yaml
+
+# Subcommands whose implementation lands with a later capability, and which one.
+NOT_YET = {
+    "convert": "HF <-> Megatron conversion lands with the checkpoint-conversion capability",
+    "submit": "Slurm submission lands with the Slurm capability",
+    "compare-replay": "routing-replay comparison lands with the compare-replay capability",
+    "bench": "benchmarks run as scripts for now: python benchmarks/<name>.py",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="megatron-rlvr",
+        description="RL with verifiable rewards for MoE LLMs (Megatron-Core + SGLang).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    train = sub.add_parser("train", help="run RL training from a YAML config")
+    train.add_argument("config", help="YAML config, e.g. configs/tiny-moe-cpu.yaml")
+    train.add_argument("overrides", nargs="*", help="dotted overrides: algo.kind=gspo")
+    train.set_defaults(takes_overrides=True)
+    train.add_argument(
+        "--dry-run", action="store_true", help="print the resolved config as YAML and exit"
+    )
+    for name, why in NOT_YET.items():
+        cmd = sub.add_parser(name, help=why)
+        cmd.add_argument("args", nargs=argparse.REMAINDER)
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as err:
+        for line in err.problems:
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    print("megatron-rlvr train: the RL loop lands with the RL-loop capability; "
+          "use --dry-run to check a config", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    # Overrides may come before or after flags (`train C --dry-run a.b=1`): collect the
+    # leftover key=value words ourselves, since argparse stops a positional list at a flag.
+    args, extra = parser.parse_known_args(argv)
+    if extra and getattr(args, "takes_overrides", False):
+        unknown = [word for word in extra if word.startswith("-") or "=" not in word]
+        if unknown:
+            parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        args.args = [*args.args, *extra]
+    if args.command == "train":
+        return _train(args)
+    print(f"megatron-rlvr {args.command}: not available yet ({NOT_YET[args.command]})",
+          file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

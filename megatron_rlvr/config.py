@@ -1,0 +1,528 @@
+"""One typed config tree for a run: YAML file + dotted command-line overrides.
+
+The schema imports no torch, so the CLI can validate a config (and `submit` can check a
+layout) in a fraction of a second. Validators only raise; every derived value is filled in
+one explicit step, `resolve()`. Every error names the dotted field, the bad value and what
+is allowed, one line per problem.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+# HF `model_type`s the learner's architecture registry can build. Kept here (not imported
+# from learner/) so that validating a config never imports Megatron.
+SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+# ----------------------------------------------------------------------------- model
+class TinyModel(Section):
+    """A randomly initialised Qwen3-MoE built locally: the CPU default and the test model."""
+
+    type: Literal["tiny"] = "tiny"
+    model_type: Literal["qwen3_moe"] = "qwen3_moe"
+    num_layers: PositiveInt = Field(2, description="transformer layers")
+    hidden_size: PositiveInt = Field(64, description="model width")
+    num_attention_heads: PositiveInt = 4
+    num_key_value_heads: PositiveInt = 2
+    head_dim: PositiveInt = 16
+    moe_intermediate_size: PositiveInt = Field(32, description="FFN width of one expert")
+    num_experts: PositiveInt = Field(4, description="routed experts per MoE layer")
+    num_experts_per_tok: PositiveInt = Field(2, description="router top-k")
+    norm_topk_prob: bool = True
+    tie_word_embeddings: bool = False
+    vocab_size: PositiveInt | None = Field(
+        None, description="None: the tokenizer's size (set when the tokenizer is built)"
+    )
+    init_seed: int = Field(1234, description="seed of the random initialisation")
+
+    @model_validator(mode="after")
+    def _check(self) -> TinyModel:
+        problems = []
+        if self.num_experts_per_tok > self.num_experts:
+            problems.append(
+                f"model.num_experts_per_tok = {self.num_experts_per_tok}: must be <= "
+                f"model.num_experts ({self.num_experts})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"model.num_key_value_heads = {self.num_key_value_heads}: must divide "
+                f"model.num_attention_heads ({self.num_attention_heads})"
+            )
+        _raise(problems)
+        return self
+
+
+class HFModel(Section):
+    """An HF checkpoint directory (config.json + safetensors) to start the run from."""
+
+    type: Literal["hf"] = "hf"
+    path: str = Field(description="directory holding config.json and *.safetensors")
+
+
+ModelConfig = Annotated[TinyModel | HFModel, Field(discriminator="type")]
+
+
+class ModelDims(BaseModel):
+    """The shape facts that layout checks need, read from either model source."""
+
+    model_type: str
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    num_experts: int
+    num_experts_per_tok: int
+
+
+def model_dims(model: TinyModel | HFModel) -> ModelDims:
+    """Reads the dimensions of the configured model (config.json for an HF checkpoint)."""
+    if isinstance(model, TinyModel):
+        return ModelDims(
+            model_type=model.model_type,
+            num_layers=model.num_layers,
+            num_attention_heads=model.num_attention_heads,
+            num_key_value_heads=model.num_key_value_heads,
+            num_experts=model.num_experts,
+            num_experts_per_tok=model.num_experts_per_tok,
+        )
+    config_path = Path(model.path) / "config.json"
+    try:
+        hf = json.loads(config_path.read_text())
+    except FileNotFoundError:
+        raise ConfigError([f"model.path = {model.path!r}: no config.json in that directory"])
+    except (OSError, json.JSONDecodeError) as err:
+        raise ConfigError([f"model.path = {model.path!r}: cannot read config.json ({err})"])
+    model_type = hf.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError(
+            [
+                f"model.path = {model.path!r}: model_type {model_type!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            ]
+        )
+    try:
+        return ModelDims(
+            model_type=model_type,
+            num_layers=hf["num_hidden_layers"],
+            num_attention_heads=hf["num_attention_heads"],
+            num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
+            num_experts=hf["num_experts"],
+            num_experts_per_tok=hf["num_experts_per_tok"],
+        )
+    except KeyError as err:
+        raise ConfigError([f"model.path = {model.path!r}: config.json lacks {err.args[0]!r}"])
+
+
+# ----------------------------------------------------------------------------- parallel
+class ParallelConfig(Section):
+    """Learner layout. World size = tp · pp · dp; experts are split ep · etp ways."""
+
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo, cuda uses NCCL")
+    tp: PositiveInt = Field(1, description="tensor-parallel size")
+    pp: PositiveInt = Field(1, description="pipeline-parallel size")
+    ep: PositiveInt = Field(1, description="expert-parallel size")
+    etp: PositiveInt | None = Field(None, description="expert tensor-parallel size; None: tp")
+    dp: PositiveInt | None = Field(
+        None, description="data-parallel size; None: the smallest that fits ep · etp"
+    )
+    sequence_parallel: bool | None = Field(
+        None, description="None: on exactly when tp > 1 (Megatron MoE requires it then)"
+    )
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+
+# ----------------------------------------------------------------------------- algo
+LossKind = Literal["grpo", "gspo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# Clip ranges each loss is designed for: PPO-style token clip with clip-higher (DAPO) for
+# GRPO; GSPO's sequence ratio lives within ~1e-3 of 1, so its range is tiny.
+DEFAULT_CLIP = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+class AlgoConfig(Section):
+    """Policy-gradient algorithm: advantages, loss, clipping, importance correction, replay."""
+
+    kind: LossKind = Field("grpo", description="grpo: token ratio; gspo: sequence ratio")
+    normalize_std: bool = Field(
+        True, description="divide advantages by the group std (GRPO); false: Dr.GRPO"
+    )
+    clip_low: float | None = Field(None, description="ratio clip 1 - clip_low; None: per kind")
+    clip_high: float | None = Field(None, description="ratio clip 1 + clip_high; None: per kind")
+    clip_ratio_c: float | None = Field(
+        None, description="dual-clip bound for negative advantages (> 1), None: off"
+    )
+    agg: AggMode = Field("token-mean", description="how per-token losses become one loss")
+    tis_cap: float | None = Field(
+        2.0, description="truncated importance sampling cap on pi_old/pi_rollout; None: off"
+    )
+    tis_level: Literal["token", "sequence"] = "token"
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none", description="r2: replay the learner's own routing; r3: the engine's"
+    )
+    num_minibatches: PositiveInt = Field(
+        1, description="optimizer steps per rollout batch (>1 is off-policy)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        problems = []
+        if self.clip_low is not None and not 0.0 < self.clip_low < 1.0:
+            problems.append(f"algo.clip_low = {self.clip_low}: must be in (0, 1)")
+        if self.clip_high is not None and not 0.0 < self.clip_high <= 10.0:
+            problems.append(f"algo.clip_high = {self.clip_high}: must be in (0, 10]")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            problems.append(f"algo.clip_ratio_c = {self.clip_ratio_c}: must be > 1 or null")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            problems.append(f"algo.tis_cap = {self.tis_cap}: must be >= 1 or null")
+        _raise(problems)
+        return self
+
+
+# ----------------------------------------------------------------------------- rollout
+class CpuEngine(Section):
+    """The project's own engine server: SGLang's HTTP API on top of HF transformers."""
+
+    type: Literal["cpu"] = "cpu"
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="engine weights dtype (bf16 makes routing differ from fp32)"
+    )
+
+
+class SglangEngine(Section):
+    """Real SGLang servers (GPU)."""
+
+    type: Literal["sglang"] = "sglang"
+    tp: PositiveInt = Field(1, description="tensor-parallel size of each server")
+    ep: PositiveInt = Field(1, description="expert-parallel size of each server")
+    mem_fraction_static: float = Field(0.7, gt=0.0, lt=1.0)
+    dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    extra_args: list[str] = Field(default_factory=list, description="passed to launch_server")
+
+
+class RolloutConfig(Section):
+    engine: Annotated[CpuEngine | SglangEngine, Field(discriminator="type")] = Field(
+        default_factory=CpuEngine
+    )
+    num_engines: PositiveInt = Field(1, description="engine servers (one per DP replica)")
+    host: str = Field("127.0.0.1", description="address the engines bind to")
+    base_port: int = Field(30000, ge=1024, le=65000)
+    n_samples_per_prompt: int = Field(8, ge=2, description="group size n (needs >= 2)")
+    max_new_tokens: PositiveInt = 16
+    temperature: float = Field(1.0, ge=0.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    return_routed_experts: bool | None = Field(
+        None, description="capture the engine's routing; None: on exactly for r3"
+    )
+    request_timeout_s: float = Field(120.0, gt=0.0)
+
+
+# ----------------------------------------------------------------------------- buffer
+class BufferConfig(Section):
+    batch_groups: PositiveInt = Field(8, description="useful prompt groups per step")
+    zero_std_eps: float = Field(1e-6, ge=0.0, description="groups with reward std <= eps drop")
+    max_staleness: int = Field(1, ge=0, description="policy versions a group may lag")
+    async_rollout: bool = Field(False, description="generate step k+1 while training step k")
+
+
+# ----------------------------------------------------------------------------- weight sync
+class WeightSyncConfig(Section):
+    bucket_mb: float = Field(512.0, gt=0.0, description="max bytes of one flat bucket, MiB")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: per device")
+    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
+    checksum: bool = Field(True, description="engines verify a per-bucket checksum")
+    parity_tolerance: float | None = Field(
+        1e-3, description="max |logprob diff| of the post-sync probe; None: probe off"
+    )
+
+
+# ----------------------------------------------------------------------------- verifier
+class VerifierConfig(Section):
+    kind: Literal["math"] = "math"
+    timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="hard limit per answer")
+    num_workers: PositiveInt = Field(2, description="sandboxed verifier processes")
+
+
+# ----------------------------------------------------------------------------- data
+class ArithmeticData(Section):
+    """The built-in tiny task: small sums and products with integer answers."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    num_prompts: PositiveInt = 512
+    max_operand: PositiveInt = 9
+    seed: int = 0
+
+
+class FileData(Section):
+    """Prompts from JSONL or Parquet with prompt, answer and verifier columns."""
+
+    type: Literal["file"] = "file"
+    path: str
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+
+
+class TrainerConfig(Section):
+    output_dir: str = Field("runs/tiny-moe-cpu", description="checkpoints, logs, metrics")
+    steps: PositiveInt = 20
+    lr: float = Field(1e-3, gt=0.0)
+    min_lr: float = Field(0.0, ge=0.0)
+    warmup_steps: int = Field(0, ge=0)
+    weight_decay: float = Field(0.0, ge=0.0)
+    grad_clip: float = Field(1.0, gt=0.0)
+    micro_batch_size: PositiveInt = Field(8, description="sequences per forward/backward")
+    seed: int = 0
+    save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
+    resume: bool = Field(True, description="resume from output_dir when a checkpoint is there")
+
+
+class LoggingConfig(Section):
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
+    interval: PositiveInt = Field(1, description="steps between metric lines")
+    tensorboard: bool = True
+
+
+class LaunchConfig(Section):
+    ray_address: str | None = Field(None, description="None: start a local Ray")
+    num_cpus: PositiveInt | None = Field(None, description="local Ray CPUs; None: all")
+    object_store_mb: PositiveInt = Field(512, description="local Ray object store size")
+
+
+class Config(Section):
+    """The whole run."""
+
+    model: ModelConfig = Field(default_factory=TinyModel)
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    algo: AlgoConfig = Field(default_factory=AlgoConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    buffer: BufferConfig = Field(default_factory=BufferConfig)
+    weight_sync: WeightSyncConfig = Field(default_factory=WeightSyncConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    data: Annotated[ArithmeticData | FileData, Field(discriminator="type")] = Field(
+        default_factory=ArithmeticData
+    )
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    launch: LaunchConfig = Field(default_factory=LaunchConfig)
+
+
+# ----------------------------------------------------------------------------- checks
+def _raise(problems: list[str]) -> None:
+    if problems:
+        raise ConfigError(problems)
+
+
+def _cross_field_problems(cfg: Config, dims: ModelDims) -> list[str]:
+    """Checks that span sections; run on the resolved config."""
+    p, a, r = cfg.parallel, cfg.algo, cfg.rollout
+    problems = []
+    if dims.num_experts % p.ep:
+        problems.append(
+            f"parallel.ep = {p.ep}: must divide the model's {dims.num_experts} experts"
+        )
+    if dims.num_attention_heads % p.tp or dims.num_key_value_heads % p.tp:
+        problems.append(
+            f"parallel.tp = {p.tp}: must divide the attention heads "
+            f"({dims.num_attention_heads}) and key/value heads ({dims.num_key_value_heads})"
+        )
+    if dims.num_layers % p.pp:
+        problems.append(f"parallel.pp = {p.pp}: must divide the {dims.num_layers} layers")
+    if p.tp > 1 and p.sequence_parallel is False:
+        problems.append(
+            f"parallel.sequence_parallel = false: MoE with parallel.tp = {p.tp} needs "
+            "sequence parallel (set true or leave null)"
+        )
+    expert_dp_world = p.tp * p.dp
+    if expert_dp_world % (p.ep * p.etp):
+        problems.append(
+            f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: ep · etp must divide tp · dp "
+            f"= {expert_dp_world} (the ranks of one pipeline stage)"
+        )
+    if p.device == "cpu" and cfg.weight_sync.backend == "nccl":
+        problems.append("weight_sync.backend = nccl: NCCL needs parallel.device = cuda")
+    if p.device == "cpu" and isinstance(r.engine, SglangEngine):
+        problems.append(
+            "rollout.engine.type = sglang: SGLang servers need parallel.device = cuda "
+            "(use type: cpu on CPU)"
+        )
+    if a.routing_replay == "r3" and r.return_routed_experts is False:
+        problems.append(
+            "rollout.return_routed_experts = false: algo.routing_replay = r3 replays the "
+            "engine's routing, so the engine must capture it (set true or leave null)"
+        )
+    if a.clip_ratio_c is not None and a.kind != "grpo":
+        problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
+    samples = cfg.buffer.batch_groups * r.n_samples_per_prompt
+    per_step = a.num_minibatches * p.dp
+    if samples % per_step:
+        problems.append(
+            f"algo.num_minibatches = {a.num_minibatches}: buffer.batch_groups · "
+            f"rollout.n_samples_per_prompt = {samples} samples must split evenly into "
+            f"num_minibatches · parallel.dp = {per_step} parts"
+        )
+    if cfg.trainer.min_lr > cfg.trainer.lr:
+        problems.append(
+            f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})"
+        )
+    return problems
+
+
+def resolve(cfg: Config) -> Config:
+    """Fills every derived value (clip ranges per loss kind, etp, sequence parallel, routed
+    expert capture), then runs the cross-section checks. Returns a new config."""
+    cfg = cfg.model_copy(deep=True)
+    clip_low, clip_high = DEFAULT_CLIP[cfg.algo.kind]
+    if cfg.algo.clip_low is None:
+        cfg.algo.clip_low = clip_low
+    if cfg.algo.clip_high is None:
+        cfg.algo.clip_high = clip_high
+    if cfg.parallel.etp is None:
+        cfg.parallel.etp = cfg.parallel.tp
+    if cfg.parallel.dp is None:
+        # experts are carved out of the tp · dp ranks of a stage: ep=2 alone means 2 ranks
+        expert_ranks = cfg.parallel.ep * cfg.parallel.etp
+        cfg.parallel.dp = next(
+            dp for dp in range(1, expert_ranks + 1) if (cfg.parallel.tp * dp) % expert_ranks == 0
+        )
+    if cfg.parallel.sequence_parallel is None:
+        cfg.parallel.sequence_parallel = cfg.parallel.tp > 1
+    if cfg.rollout.return_routed_experts is None:
+        cfg.rollout.return_routed_experts = cfg.algo.routing_replay == "r3"
+    if cfg.weight_sync.backend == "auto":
+        cfg.weight_sync.backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
+    _raise(_cross_field_problems(cfg, model_dims(cfg.model)))
+    return cfg
+
+
+# ----------------------------------------------------------------------------- loading
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`a.b.c=value` → (["a", "b", "c"], value), the value parsed as YAML (so `2` is an int,
+    `null` is None and `[1, 2]` a list)."""
+    key, sep, raw = text.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError([f"override {text!r}: expected dotted.key=value"])
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError:
+        value = raw
+    return key.strip().split("."), value
+
+
+def apply_overrides(raw: dict, overrides: list[str]) -> dict:
+    """Sets each dotted key in the raw config dict, creating sections as needed."""
+    for text in overrides:
+        path, value = parse_override(text)
+        node = raw
+        for depth, part in enumerate(path[:-1]):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                dotted = ".".join(path[: depth + 1])
+                raise ConfigError([f"override {text!r}: {dotted} is a value, not a section"])
+            node = child
+        node[path[-1]] = value
+    return raw
+
+
+def _models_in(annotation: Any) -> list[type[BaseModel]]:
+    """The pydantic models an annotation can hold (one, or each member of a union)."""
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return [annotation]
+    return [m for arg in get_args(annotation) for m in _models_in(arg)]
+
+
+def _walk(loc: tuple) -> tuple[list[str], list[str]]:
+    """Follows a pydantic error location through the schema. Returns the user-facing dotted
+    parts (union tags dropped) and the field names allowed at the last step."""
+    model: type[BaseModel] | None = Config
+    dotted: list[str] = []
+    allowed: list[str] = []
+    i = 0
+    while i < len(loc):
+        part = str(loc[i])
+        dotted.append(part)
+        i += 1
+        if model is None:
+            continue
+        allowed = list(model.model_fields)
+        field = model.model_fields.get(part)
+        members = _models_in(field.annotation) if field else []
+        model = members[0] if len(members) == 1 else None
+        if len(members) > 1:  # discriminated union: the next loc part is the member tag
+            tags = {m.model_fields["type"].default: m for m in members}
+            if i < len(loc) and loc[i] in tags:
+                model = tags[loc[i]]
+                i += 1
+    return dotted, allowed
+
+
+def _format_validation_error(err: ValidationError) -> list[str]:
+    lines = []
+    for item in err.errors():
+        ctx_error = item.get("ctx", {}).get("error")
+        if isinstance(ctx_error, ConfigError):
+            lines.extend(ctx_error.problems)
+            continue
+        parts, names = _walk(tuple(item["loc"]))
+        dotted = ".".join(parts) or "<root>"
+        if item["type"] == "extra_forbidden":
+            hint = difflib.get_close_matches(str(item["loc"][-1]), names, n=1)
+            allowed = f"did you mean {hint[0]}?" if hint else f"allowed: {', '.join(names)}"
+            lines.append(f"{dotted}: unknown field ({allowed})")
+        elif item["type"] == "missing":
+            lines.append(f"{dotted}: required field is missing")
+        else:
+            lines.append(f"{dotted} = {item.get('input')!r}: {item['msg']}")
+    return lines
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """YAML file (or defaults when None) + dotted overrides → validated, resolved Config.
+    Raises ConfigError with one line per problem."""
+    raw: dict = {}
+    if path is not None:
+        try:
+            text = Path(path).read_text()
+        except OSError as err:
+            raise ConfigError([f"config file {str(path)!r}: {err.strerror}"])
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as err:
+            mark = getattr(err, "problem_mark", None)
+            where = f" line {mark.line + 1}" if mark else ""
+            raise ConfigError([f"config file {str(path)!r}{where}: not valid YAML"])
+        if not isinstance(raw, dict):
+            raise ConfigError([f"config file {str(path)!r}: top level must be a mapping"])
+    raw = apply_overrides(raw, list(overrides))
+    try:
+        cfg = Config.model_validate(raw)
+    except ValidationError as err:
+        raise ConfigError(_format_validation_error(err))
+    return resolve(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,146 @@
+"""Config tree: shipped configs load, overrides apply, every bad input is one named line."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from megatron_rlvr.config import ConfigError, load_config, to_yaml
+
+REPO = Path(__file__).resolve().parents[1]
+SHIPPED = sorted((REPO / "configs").glob("*.yaml"))
+TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
+
+
+def test_there_are_shipped_configs():
+    assert TINY in SHIPPED
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_loads(path):
+    cfg = load_config(path)
+    assert cfg.algo.clip_low is not None and cfg.parallel.etp is not None
+
+
+def test_defaults_resolve_per_loss_kind():
+    grpo = load_config(TINY)
+    gspo = load_config(TINY, ["algo.kind=gspo"])
+    assert (grpo.algo.clip_low, grpo.algo.clip_high) == (0.2, 0.28)
+    assert (gspo.algo.clip_low, gspo.algo.clip_high) == (3e-4, 4e-4)
+    explicit = load_config(TINY, ["algo.kind=gspo", "algo.clip_high=1e-3"])
+    assert explicit.algo.clip_high == 1e-3
+
+
+def test_overrides_and_derived_layout():
+    cfg = load_config(TINY, ["parallel.ep=2", "algo.routing_replay=r3", "trainer.output_dir=/tmp/x"])
+    assert (cfg.parallel.ep, cfg.parallel.dp, cfg.parallel.etp) == (2, 2, 1)
+    assert cfg.rollout.return_routed_experts is True
+    assert cfg.trainer.output_dir == "/tmp/x"
+    tp = load_config(TINY, ["parallel.tp=2"])
+    assert tp.parallel.sequence_parallel is True and tp.parallel.etp == 2 and tp.parallel.dp == 1
+    assert load_config(TINY).weight_sync.backend == "gloo"
+
+
+def test_resolved_yaml_round_trips(tmp_path):
+    cfg = load_config(TINY, ["algo.kind=gspo", "parallel.ep=2"])
+    path = tmp_path / "resolved.yaml"
+    path.write_text(to_yaml(cfg))
+    assert load_config(path) == cfg
+
+
+def _problems(overrides, path=TINY):
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return err.value.problems
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["parallel.ep=3"], "parallel.ep = 3: must divide the model's 4 experts"),
+        (["parallel.tp=2", "parallel.sequence_parallel=false"], "parallel.sequence_parallel = false"),
+        (["parallel.tp=3"], "parallel.tp = 3: must divide the attention heads"),
+        (["parallel.pp=3"], "parallel.pp = 3: must divide the 2 layers"),
+        (["algo.clip_low=1.5"], "algo.clip_low = 1.5: must be in (0, 1)"),
+        (["algo.clip_high=-0.1"], "algo.clip_high = -0.1"),
+        (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c = 0.5: must be > 1"),
+        (["algo.kind=gspo", "algo.clip_ratio_c=3"], "dual clip is for kind grpo"),
+        (["algo.tis_cap=0.5"], "algo.tis_cap = 0.5"),
+        (["algo.routing_replay=r3", "rollout.return_routed_experts=false"], "rollout.return_routed_experts = false"),
+        (["algo.kind=ppo"], "algo.kind = 'ppo'"),
+        (["algo.clip_lo=0.1"], "algo.clip_lo: unknown field (did you mean clip_low?)"),
+        (["model.num_layrs=3"], "model.num_layrs: unknown field (did you mean num_layers?)"),
+        (["rollout.engine.tpp=2"], "rollout.engine.tpp: unknown field"),
+        (["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt = 1"),
+        (["rollout.engine.type=sglang"], "rollout.engine.type = sglang: SGLang servers need parallel.device = cuda"),
+        (["weight_sync.backend=nccl"], "weight_sync.backend = nccl"),
+        (["model.num_experts_per_tok=8"], "model.num_experts_per_tok = 8"),
+        (["algo.num_minibatches=3"], "algo.num_minibatches = 3"),
+        (["trainer.lr=abc"], "trainer.lr = 'abc'"),
+        (["trainer.min_lr=1"], "trainer.min_lr = 1.0"),
+        (["nosuchsection.x=1"], "nosuchsection: unknown field"),
+        (["parallel=3"], "parallel = 3"),
+        (["algo.kind"], "expected dotted.key=value"),
+    ],
+)
+def test_errors_name_the_field(overrides, expected):
+    problems = _problems(overrides)
+    assert any(expected in line for line in problems), problems
+    assert all("\n" not in line for line in problems)
+
+
+def test_every_problem_is_reported_not_just_the_first():
+    problems = _problems(["algo.clip_low=2", "trainer.steps=0", "rollout.temperature=-1"])
+    assert len(problems) == 3
+
+
+def test_hf_model_path_errors(tmp_path):
+    base = ["model={type: hf, path: %s}" % tmp_path]
+    assert "no config.json" in _problems(base)[0]
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "model_type 'llama' is not supported (supported: qwen3_moe)" in _problems(base)[0]
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_attention_heads": 8,
+         "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2}))
+    assert load_config(TINY, base + ["parallel.ep=8"]).parallel.dp == 8
+    assert "must divide the model's 8 experts" in _problems(base + ["parallel.ep=3"])[0]
+
+
+def test_bad_files(tmp_path):
+    assert "config file" in _problems([], tmp_path / "missing.yaml")[0]
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("algo:\n  kind: [grpo\n")
+    assert "line" in _problems([], broken)[0] and "not valid YAML" in _problems([], broken)[0]
+    scalar = tmp_path / "scalar.yaml"
+    scalar.write_text("42\n")
+    assert "top level must be a mapping" in _problems([], scalar)[0]
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", *args], capture_output=True,
+                          text=True, cwd=REPO, timeout=120)
+
+
+def test_cli_dry_run_prints_resolved_yaml():
+    out = _cli("train", str(TINY), "--dry-run", "algo.kind=gspo", "parallel.ep=2")
+    assert out.returncode == 0, out.stderr
+    resolved = yaml.safe_load(out.stdout)
+    assert resolved["algo"]["kind"] == "gspo" and resolved["algo"]["clip_low"] == 3e-4
+    assert resolved["parallel"]["dp"] == 2
+
+
+def test_cli_malformed_config_is_one_line_exit_2_no_traceback():
+    out = _cli("train", str(TINY), "parallel.ep=3", "--dry-run")
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[0] == "config error: parallel.ep = 3: must divide the model's 4 experts"
+
+
+@pytest.mark.parametrize("command", ["convert", "submit", "compare-replay", "bench"])
+def test_cli_later_subcommands_say_so(command):
+    out = _cli(command, "x")
+    assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1
+    assert "not available yet" in out.stderr
