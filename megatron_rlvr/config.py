@@ -150,10 +150,6 @@ class ParallelConfig(Section):
         None, description="None: on exactly when tp > 1 (Megatron MoE requires it then)"
     )
 
-    @property
-    def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
-
 
 # ----------------------------------------------------------------------------- algo
 LossKind = Literal["grpo", "gspo"]

@@ -91,3 +91,12 @@ def test_extraction_and_normalisation_units():
 def test_batch_length_mismatch_is_a_caller_error(verifier):
     with pytest.raises(ValueError, match="2 responses but 1 gold"):
         verifier.verify_batch(["1", "2"], ["1"])
+
+
+def test_a_sandbox_that_cannot_start_fails_fast_instead_of_hanging():
+    # 16 MiB of address space is too little for Python to start: every worker dies at once
+    with MathVerifier(timeout_s=1.0, num_workers=1, memory_mb=16) as broken:
+        start = time.monotonic()
+        verdicts = broken.verify_batch(["\\boxed{x^2}", "\\boxed{3}"], ["x*x", "3"])
+        assert time.monotonic() - start < 30
+    assert verdicts == [(0.0, "sandbox_unavailable"), (1.0, "exact")]

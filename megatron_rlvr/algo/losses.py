@@ -103,6 +103,13 @@ def policy_loss(
     agg_normalizer: for "token-mean", the global token count of the whole step (across
     micro-batches and data-parallel ranks); for "seq-mean-token-mean", the global sequence
     count; for "seq-mean-token-sum-norm", the per-sequence divisor (default: T).
+    Sequence means count only sequences with at least one response token.
+
+    Metrics (masked means over this call's tokens): clipfrac (PPO clip active),
+    clipfrac_low_side / clipfrac_high_side (which bound), clipfrac_lower (dual clip active,
+    the lower bound on negative-advantage loss), approx_kl (k3 of KL(π_old‖π)), ratio_mean,
+    ratio_max, policy_loss; with TIS: tis_weight_mean, tis_clipfrac; with rollout logprobs:
+    mismatch_abs_mean, mismatch_abs_max, mismatch_k3_kl.
     """
     if kind not in RATIO_KINDS:
         raise ValueError(f"kind={kind!r}: expected one of {sorted(RATIO_KINDS)}")

@@ -30,6 +30,7 @@ _BAD_DOT = re.compile(r"\.(?!\d)")
 _BIG_FACTORIAL = re.compile(r"\d{4,}\s*!")  # sympy evaluates factorial(n) while parsing
 MAX_EXPONENT = 10_000
 MAX_FACTORIAL = 1_000
+MAX_START_FAILURES = 3
 
 
 def _sympy_namespace() -> dict:
@@ -210,6 +211,7 @@ class SandboxPool:
         self.memory_mb = memory_mb
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
+        self._start_failures = 0  # workers that died before ready, in a row
 
     def _spawn(self) -> _Worker:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "HOME")}
@@ -225,6 +227,7 @@ class SandboxPool:
         """Verdicts for (pred, gold) pairs of normalised answers; each pair gets at most
         `timeout_s` of a worker's time, counted from when a ready worker takes it."""
         with self._lock:
+            self._start_failures = 0
             while len(self._workers) < min(self.num_workers, max(1, len(pairs))):
                 self._workers.append(self._spawn())
             return self._run(pairs, timeout_s)
@@ -260,9 +263,16 @@ class SandboxPool:
                 for worker in list(self._workers):
                     if worker.task is not None and now >= worker.deadline:
                         self._replace(worker, selector, results, "timeout")
+                if self._start_failures >= MAX_START_FAILURES:
+                    # workers cannot even start (broken env, memory limit): fail fast, never spin
+                    while pending:
+                        results[pending.popleft()] = (False, "sandbox_unavailable")
+                    if not any(w.task is not None for w in self._workers):
+                        break
         return results
 
     def _replace(self, worker: _Worker, selector, results, reason: str) -> None:
+        self._start_failures = 0 if worker.ready else self._start_failures + 1
         if worker.task is not None:
             results[worker.task] = (False, reason)
         selector.unregister(worker.proc.stdout)
