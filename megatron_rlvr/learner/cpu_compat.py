@@ -1,0 +1,234 @@
+"""The ONE place that adapts Megatron-Core to a CPU-only torch (gloo instead of NCCL).
+
+Megatron-Core assumes CUDA in a handful of places (measured on 0.16.1; see
+shared/notes/megatron-on-cpu.md). Each adaptation below says what it fixes and when it can
+go. `apply()` is called explicitly, once, by the learner when `parallel.device == "cpu"`;
+it refuses any other megatron-core version, since these adaptations target exact code.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+TESTED_MEGATRON_CORE = "0.16.1"
+log = logging.getLogger(__name__)
+
+_state: dict[str, Any] = {"applied": False}  # the mode must outlive apply(); one per process
+
+
+class CpuCompatError(RuntimeError):
+    pass
+
+
+# ---------------------------------------------------------------------------- 1. RNG tracker
+class CpuRNGStatesTracker:
+    """Megatron's CudaRNGStatesTracker keeps named CUDA generator states (for dropout in
+    tensor-parallel regions); this keeps the same named states on the CPU generator.
+    Remove when Megatron-Core's tracker supports a CPU device."""
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def is_initialized(self) -> bool:
+        return self._is_initialized
+
+    def reset(self) -> None:
+        self._is_initialized = False
+        self.states_: dict[str, torch.Tensor] = {}
+        self.seeds_: set[int] = set()
+
+    def get_states(self) -> dict[str, torch.Tensor]:
+        return dict(self.states_)
+
+    def set_states(self, states: dict[str, torch.Tensor]) -> None:
+        self._is_initialized = True
+        self.states_ = states
+
+    def add(self, name: str, seed: int) -> None:
+        self._is_initialized = True
+        if seed in self.seeds_:
+            raise RuntimeError(f"seed {seed} already exists")
+        if name in self.states_:
+            raise RuntimeError(f"rng state {name} already exists")
+        self.seeds_.add(seed)
+        original = torch.get_rng_state()
+        torch.manual_seed(seed)
+        self.states_[name] = torch.get_rng_state()
+        torch.set_rng_state(original)
+
+    @contextlib.contextmanager
+    def fork(self, name: str = "model-parallel-rng"):
+        if name not in self.states_:
+            raise RuntimeError(f"rng state {name} is not added")
+        original = torch.get_rng_state()
+        torch.set_rng_state(self.states_[name])
+        try:
+            yield
+        finally:
+            self.states_[name] = torch.get_rng_state()
+            torch.set_rng_state(original)
+
+
+def _install_rng_tracker() -> None:
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
+    mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+
+
+# ---------------------------------------------------------------------------- 2. cuda → cpu
+def _to_cpu_device(value: Any) -> Any:
+    if isinstance(value, torch.device) and value.type == "cuda":
+        return torch.device("cpu")
+    if isinstance(value, str) and value.startswith("cuda"):
+        return "cpu"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return "cpu"  # a bare device index means a CUDA device
+    return value
+
+
+class CudaToCpuMode(TorchFunctionMode):
+    """Redirects every CUDA placement (device="cuda"/index kwargs, .cuda(), .to("cuda")) to
+    the CPU, and makes `grad.type()` report the CUDA type that clip_grads.py asserts on.
+    Patching the ~175 call sites one by one is impractical; this costs ~1 µs per op.
+    Remove when Megatron-Core takes a device argument throughout."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu_device(kwargs["device"])
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu_device(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _NoOpStream:
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def wait_stream(self, *args) -> None:
+        pass
+
+    def wait_event(self, *args) -> None:
+        pass
+
+    def record_event(self, *args):
+        return _NoOpStream()
+
+    def synchronize(self) -> None:
+        pass
+
+    def record(self, *args) -> None:
+        pass
+
+    def query(self) -> bool:
+        return True
+
+
+def _patch_cuda_runtime() -> None:
+    """Streams, events and device queries as no-ops: on CPU every op is synchronous."""
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.device_count = lambda: 0
+    torch.cuda.synchronize = lambda *a, **k: None
+    torch.cuda.Stream = _NoOpStream
+    torch.cuda.Event = _NoOpStream
+    torch.cuda.current_stream = lambda *a, **k: _NoOpStream()
+    torch.cuda.default_stream = lambda *a, **k: _NoOpStream()
+    torch.cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    torch.cuda.empty_cache = lambda: None
+    torch.Tensor.record_stream = lambda self, stream: None
+
+
+# ---------------------------------------------------------------------------- 3-5. MoE, norm
+def _patch_moe_utils() -> None:
+    """moe_utils references transformer-engine's fused kernels by name; without TE they are
+    undefined and every MoE forward raises NameError. Define them as None (the unfused
+    paths check for None). And its maybe_move_tensor_to_cpu only converts CUDA tensors, so on
+    CPU the all-to-all split sizes stay tensors and EP>1 fails: convert always."""
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+
+    for name in (
+        "te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
+        "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+        "fused_unpermute",
+    ):
+        if not hasattr(moe_utils, name):
+            setattr(moe_utils, name, None)
+
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if torch.is_tensor(tensor):
+            tensor = tensor.detach().to("cpu")
+            return tensor.numpy() if as_numpy else tensor
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = move_to_host
+    token_dispatcher.maybe_move_tensor_to_cpu = move_to_host
+
+
+def _patch_torch_norm() -> None:
+    """WrappedTorchNorm asserts `not sequence_parallel`, so MoE + TP (which requires SP)
+    cannot train without TE/apex. Under SP the norm is applied to each rank's sequence shard
+    independently, which is exactly a plain norm; only its weight gradient must be summed over
+    TP, which finalize_model_grads does for params marked `sequence_parallel`."""
+    import dataclasses
+
+    from megatron.core.transformer import torch_norm
+
+    original_new = torch_norm.WrappedTorchNorm.__new__
+
+    def new(cls, config, hidden_size, eps=1e-5, *args, **kwargs):
+        if not config.sequence_parallel:
+            return original_new(cls, config, hidden_size, eps, *args, **kwargs)
+        plain = dataclasses.replace(config, sequence_parallel=False)
+        norm = original_new(cls, plain, hidden_size, eps, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = True
+        return norm
+
+    torch_norm.WrappedTorchNorm.__new__ = new
+
+
+# ---------------------------------------------------------------------------- entry point
+def check_version() -> None:
+    import megatron.core
+
+    version = megatron.core.__version__
+    if version != TESTED_MEGATRON_CORE:
+        raise CpuCompatError(
+            f"megatron-core {version} is not the version the CPU adaptations were written for "
+            f"({TESTED_MEGATRON_CORE}); install megatron-core=={TESTED_MEGATRON_CORE} or run on CUDA"
+        )
+
+
+def apply() -> None:
+    """Adapts Megatron-Core to CPU, once per process. Idempotent."""
+    if _state["applied"]:
+        return
+    if torch.cuda.is_available():
+        raise CpuCompatError("cpu_compat.apply() on a machine with CUDA: use device=cuda")
+    check_version()
+    _install_rng_tracker()
+    _patch_cuda_runtime()
+    _patch_moe_utils()
+    _patch_torch_norm()
+    mode = CudaToCpuMode()
+    mode.__enter__()  # stays active for the life of the process, by design
+    _state.update(applied=True, mode=mode)
+    log.info("megatron-core %s adapted to CPU", TESTED_MEGATRON_CORE)

@@ -1,0 +1,306 @@
+"""A Megatron-Core GPTModel with MoE layers built from an HF checkpoint, through mbridge.
+
+mbridge translates the HF config into a TransformerConfig and knows each architecture's
+tensor formats (fused qkv, gate/up concatenation, how each weight splits over TP). Its own
+load/export assume transformer-engine parameter names and decide expert-TP splits from them,
+so on the local (non-TE) layer spec they go wrong; we keep mbridge for the knowledge and do
+the layout-aware load and export here, through one name adapter:
+
+    local Megatron name (this rank) ──canonical_name()──► global TE-style name ──mbridge──► HF names
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """How to build one HF `model_type` in Megatron-Core."""
+
+    bridge_class: str  # "module:Class" of the mbridge bridge
+    hf_rope_theta_in_parameters: bool = True  # transformers 5 moved rope_theta
+
+
+ARCHITECTURES: dict[str, Architecture] = {
+    "qwen3_moe": Architecture(bridge_class="mbridge.models.qwen3moe:Qwen3MoEBridge"),
+}
+
+
+class UnsupportedArchitecture(ValueError):
+    pass
+
+
+def read_hf_config(hf_dir: str | Path):
+    """The checkpoint's transformers config, refused with the supported list if unknown."""
+    from transformers import AutoConfig
+
+    model_type = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
+    if model_type not in ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"model_type {model_type!r} in {hf_dir} is not supported "
+            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
+        )
+    hf_config = AutoConfig.from_pretrained(hf_dir)
+    rope = getattr(hf_config, "rope_parameters", None) or {}
+    if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
+        hf_config.rope_theta = rope["rope_theta"]  # mbridge still reads the old attribute
+    return hf_config
+
+
+def _bridge_class(model_type: str):
+    import importlib
+
+    module, name = ARCHITECTURES[model_type].bridge_class.split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: bool):
+    """An mbridge bridge for the current Megatron parallel state, with the layer spec and
+    fusions chosen for the device: transformer-engine spec on CUDA when TE imports, the local
+    spec (and no fused kernels) otherwise."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
+
+    use_te = device == "cuda" and _have_transformer_engine()
+    base = _bridge_class(hf_config.model_type)
+
+    class Bridge(base):
+        def _get_transformer_layer_spec(self, vp_stage=None):
+            self.has_vp_stage = True
+            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te,
+                                              vp_stage=vp_stage)
+
+    bridge = Bridge(hf_config, dtype=dtype)
+    overrides = dict(
+        variable_seq_lengths=False,  # fixed micro-batch shapes; allgather dispatcher needs it
+        moe_router_load_balancing_type="none",
+        moe_aux_loss_coeff=0.0,
+        moe_enable_routing_replay=routing_replay,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cpu_initialization=device == "cpu",
+    )
+    if not use_te:
+        overrides.update(
+            moe_grouped_gemm=False, persist_layer_norm=False, masked_softmax_fusion=False,
+            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
+            gradient_accumulation_fusion=False, moe_permute_fusion=False, moe_router_fusion=False,
+        )
+    bridge.set_extra_args(**overrides)
+    return bridge
+
+
+def _have_transformer_engine() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def build_model_chunks(bridge) -> list[torch.nn.Module]:
+    """This pipeline stage's GPTModel (one chunk: no virtual pipeline)."""
+    from megatron.core import parallel_state as mpu
+
+    vocab = bridge.hf_config.vocab_size
+    tp = mpu.get_tensor_model_parallel_world_size()
+    if vocab % tp:
+        raise ValueError(f"vocab size {vocab} must be divisible by tensor-parallel size {tp}")
+    provider = bridge._model_provider([])
+    model = provider(pre_process=mpu.is_pipeline_first_stage(),
+                     post_process=mpu.is_pipeline_last_stage())
+    if torch.cuda.is_available():
+        model = model.cuda()
+    return [model]
+
+
+# ----------------------------------------------------------------------------- names
+_LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
+_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+
+
+def canonical_name(local_name: str, module: torch.nn.Module, bridge) -> str:
+    """Global, transformer-engine-style name of a local parameter: global layer number
+    (pipeline offset), global expert id (EP offset), TE's fused-norm names."""
+    from megatron.core import parallel_state as mpu
+
+    name = local_name
+    match = _LAYER.search(name)
+    if match:
+        layer = module.decoder.layers[int(match.group(1))]
+        name = name.replace(match.group(0), f"decoder.layers.{layer.layer_number - 1}.", 1)
+    name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    num_local = bridge.config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
+    offset = mpu.get_expert_model_parallel_rank() * num_local
+    match = _LOCAL_EXPERT.search(name)
+    if match:
+        name = name.replace(match.group(0),
+                            f"mlp.experts.{match.group(2)}.weight{offset + int(match.group(1))}")
+    match = _TE_EXPERT.search(name)
+    if match and ".local_experts." not in local_name and mpu.get_expert_model_parallel_world_size() > 1:
+        # TE grouped-gemm names carry the local expert index in the suffix
+        name = name.replace(match.group(0),
+                            f"mlp.experts.{match.group(1)}.weight{offset + int(match.group(2))}")
+    return name
+
+
+def _is_expert(name: str) -> bool:
+    return ".mlp.experts." in name and "shared" not in name
+
+
+def _params(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Parameters plus the state-dict-only expert biases (not registered as parameters)."""
+    seen = set()
+    for name, param in module.named_parameters():
+        seen.add(name)
+        yield name, param
+    for name, tensor in module.state_dict().items():
+        if "expert_bias" in name and name not in seen and "_extra_state" not in name:
+            yield name, tensor
+
+
+# ----------------------------------------------------------------------------- load
+class CheckpointMismatch(ValueError):
+    pass
+
+
+class _HFReader:
+    """Lazy tensor access across the checkpoint's safetensors files."""
+
+    def __init__(self, hf_dir: str | Path):
+        from safetensors import safe_open
+
+        hf_dir = Path(hf_dir)
+        index = hf_dir / "model.safetensors.index.json"
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = {name: hf_dir / f for name, f in weight_map.items()}
+        else:
+            files = {}
+            for path in sorted(hf_dir.glob("*.safetensors")):
+                with safe_open(path, "pt") as handle:
+                    files.update({name: path for name in handle.keys()})
+        self.files = files
+        self._open = {path: safe_open(path, "pt") for path in set(files.values())}
+
+    def names(self) -> set[str]:
+        return set(self.files)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self.files:
+            raise CheckpointMismatch(f"tensor {name!r} is missing from the checkpoint")
+        return self._open[self.files[name]].get_tensor(name)
+
+
+def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -> None:
+    """Loads an HF checkpoint into this rank's shard of the model, in any layout. Each rank
+    reads only the tensors it holds (its stage's layers, its experts) and slices its TP part."""
+    from megatron.core import parallel_state as mpu
+
+    reader = _HFReader(hf_dir)
+    tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
+    for module in chunks:
+        for local_name, param in _params(module):
+            canonical = canonical_name(local_name, module, bridge)
+            hf_names = bridge._weight_name_mapping_mcore_to_hf(canonical)
+            if tied and hf_names == ["lm_head.weight"] and "lm_head.weight" not in reader.names():
+                hf_names = ["model.embed_tokens.weight"]
+            full = bridge._weight_to_mcore_format(canonical, [reader.get(n) for n in hf_names])
+            if _is_expert(canonical):
+                size, rank = (mpu.get_expert_tensor_parallel_world_size(),
+                              mpu.get_expert_tensor_parallel_rank())
+            else:
+                size, rank = (mpu.get_tensor_model_parallel_world_size(),
+                              mpu.get_tensor_model_parallel_rank())
+            shard = list(bridge._weight_split_across_tp(canonical, full, param, size))[rank]
+            if shard.shape != param.shape:
+                raise CheckpointMismatch(
+                    f"{hf_names[0]}: checkpoint shard {tuple(shard.shape)} does not fit "
+                    f"parameter {local_name} {tuple(param.shape)}"
+                )
+            with torch.no_grad():
+                param.copy_(shard.to(param.dtype))
+
+
+# ----------------------------------------------------------------------------- export
+def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[str, torch.Tensor]]:
+    """Streams the full model as (HF name, tensor), experts one by one, from any layout.
+    Collective: every rank must iterate it to the end; every rank receives every tensor."""
+    from megatron.core import parallel_state as mpu
+
+    pp_group = mpu.get_pipeline_model_parallel_group()
+    pp_size = mpu.get_pipeline_model_parallel_world_size()
+    local = [(canonical_name(n, m, bridge), p) for m in chunks for n, p in _params(m)]
+    metas = [(n, p.dtype, tuple(p.shape), getattr(p, "tensor_model_parallel", False),
+              getattr(p, "partition_dim", -1)) for n, p in local]
+    if pp_size > 1:
+        per_stage: list = [None] * pp_size
+        dist.all_gather_object(per_stage, metas, group=pp_group)
+    else:
+        per_stage = [metas]
+    local_params = dict(local)
+    stage_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
+    for stage, entries in enumerate(per_stage):
+        for name, dtype, shape, tensor_parallel, partition_dim in entries:
+            if name in local_params:
+                tensor = local_params[name].detach()
+            else:
+                tensor = torch.empty(shape, dtype=dtype, device=_device())
+            tensor.tensor_model_parallel, tensor.partition_dim = tensor_parallel, partition_dim
+            if pp_size > 1:
+                dist.broadcast(tensor, src=stage_ranks[stage], group=pp_group)
+            if tied and name == "output_layer.weight":
+                continue  # HF ties lm_head to the embedding
+            yield from _gather_to_hf(name, tensor, bridge)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
+def _gather_to_hf(name: str, tensor: torch.Tensor, bridge) -> Iterator[tuple[str, torch.Tensor]]:
+    """Merges one (canonical) tensor over TP / EP+ETP and converts it to HF tensors."""
+    from megatron.core import parallel_state as mpu
+
+    if _is_expert(name):
+        ep = mpu.get_expert_model_parallel_world_size()
+        per_rank = _all_gather(tensor, mpu.get_expert_model_parallel_group()) if ep > 1 else [tensor]
+        prefix, local_id = name.rsplit("weight", 1)
+        num_local = bridge.config.num_moe_experts // ep
+        local_id = int(local_id) - mpu.get_expert_model_parallel_rank() * num_local
+        for ep_rank, part in enumerate(per_rank):
+            expert_name = f"{prefix}weight{ep_rank * num_local + local_id}"
+            if mpu.get_expert_tensor_parallel_world_size() > 1:
+                shards = _all_gather(part, mpu.get_expert_tensor_parallel_group())
+                part = _merge(bridge, expert_name, shards, tensor)
+            yield from zip(*bridge._weight_to_hf_format(expert_name, part))
+        return
+    if getattr(tensor, "tensor_model_parallel", False) and mpu.get_tensor_model_parallel_world_size() > 1:
+        tensor = _merge(bridge, name, _all_gather(tensor, mpu.get_tensor_model_parallel_group()), tensor)
+    yield from zip(*bridge._weight_to_hf_format(name, tensor))
+
+
+def _merge(bridge, name: str, shards: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    """mbridge's TP merge, which asserts on shard counts from the model-wide tp size; expert
+    shards are merged along the same dims with the expert-TP count."""
+    if _is_expert(name):
+        if "linear_fc1" in name:
+            gates, ups = zip(*(s.chunk(2) for s in shards))
+            return torch.cat([*gates, *ups], dim=0)
+        return torch.cat(shards, dim=1)
+    return bridge._weight_merge_across_tp(name, shards, like)
