@@ -291,6 +291,9 @@ class TrainerConfig(Section):
     weight_decay: float = Field(0.0, ge=0.0)
     grad_clip: float = Field(1.0, gt=0.0)
     micro_batch_size: PositiveInt = Field(8, description="sequences per forward/backward")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
+    distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
     seed: int = 0
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
     resume: bool = Field(True, description="resume from output_dir when a checkpoint is there")

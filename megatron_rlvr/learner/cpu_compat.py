@@ -112,6 +112,21 @@ class CudaToCpuMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def _patch_autograd_backward() -> None:
+    """Function modes are thread-local state that the autograd engine does not carry into
+    the backward of Python-defined Functions, where Megatron allocates with
+    device=torch.cuda.current_device() (e.g. the MoE all-to-all). Run those under the mode too."""
+    from torch.autograd import function as autograd_function
+
+    original = autograd_function.BackwardCFunction.apply
+
+    def apply_on_cpu(self, *args):
+        with CudaToCpuMode():
+            return original(self, *args)
+
+    autograd_function.BackwardCFunction.apply = apply_on_cpu
+
+
 class _NoOpStream:
     def __init__(self, *args, **kwargs) -> None:
         pass
@@ -228,6 +243,7 @@ def apply() -> None:
     _patch_cuda_runtime()
     _patch_moe_utils()
     _patch_torch_norm()
+    _patch_autograd_backward()
     mode = CudaToCpuMode()
     mode.__enter__()  # stays active for the life of the process, by design
     _state.update(applied=True, mode=mode)

@@ -1,0 +1,157 @@
+"""Forward passes through Megatron's pipeline schedules: per-token logprobs (forward only)
+and one mini-batch of policy-gradient training (forward + backward over micro-batches).
+
+Logprobs use Megatron's vocab-parallel cross entropy: under TP each rank holds a slice of
+the vocabulary and only per-token maxima and sums cross ranks, never the full-vocab logits.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megatron_rlvr.algo.losses import policy_loss
+from megatron_rlvr.config import AlgoConfig
+from megatron_rlvr.learner.batch import TrainBatch
+
+
+def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """logits [B, T, V/tp] (vocab-sharded) → logprob of each target token [B, T]; column 0
+    (no prediction for the first token) is 0."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+    shifted = logits[:, :-1].float() / temperature
+    ce = vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
+    return F.pad(-ce, (1, 0))
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool):
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    seq_length = micro[0].input_ids.shape[1]
+    device = _device()
+
+    def forward_step(data_iterator, model):
+        mb = next(data_iterator)
+        ids = mb.input_ids.to(device)
+        positions = torch.arange(seq_length, device=device).unsqueeze(0).expand_as(ids)
+        return model(ids, positions, None), partial(loss_fn, mb)
+
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iter(micro),
+        model=chunks,
+        num_microbatches=len(micro),
+        seq_length=seq_length,
+        micro_batch_size=micro[0].size,
+        forward_only=forward_only,
+        collect_non_loss_data=collect,
+    )
+
+
+def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float) -> torch.Tensor | None:
+    """Logprobs [n, T] of this rank's micro-batches on the last pipeline stage, else None."""
+    from megatron.core import parallel_state as mpu
+
+    def collect(mb, output, non_loss_data=True):
+        return token_logprobs(output, mb.input_ids.to(output.device), temperature).detach()
+
+    with torch.no_grad():
+        outputs = _run_schedule(chunks, micro, collect, forward_only=True, collect=True)
+    return torch.cat(outputs).cpu() if mpu.is_pipeline_last_stage() else None
+
+
+def step_normalizer(batch: TrainBatch, agg: str) -> float:
+    """The global count a mini-batch's loss divides by, known before the micro-batch loop:
+    response tokens (token-mean) or non-empty sequences (the sequence means)."""
+    if agg == "token-mean":
+        return float(batch.response_mask.sum())
+    return float((batch.response_mask.sum(-1) > 0).sum())
+
+
+def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normalizer: float,
+                    sum_norm_divisor: float, temperature: float) -> list[dict[str, torch.Tensor]]:
+    """Forward+backward of one mini-batch's micro-batches; gradients accumulate in the DDP
+    buffers. Each micro-batch's loss is divided by the whole mini-batch's global count, then
+    multiplied back by the factors Megatron divides by (micro-batch count, and DP size in the
+    gradient all-reduce), so the summed gradient is exactly that of the global loss."""
+    from megatron.core import parallel_state as mpu
+
+    scale = len(micro) * mpu.get_data_parallel_world_size()
+
+    def loss_fn(mb, output):
+        device = output.device
+        logprobs = token_logprobs(output, mb.input_ids.to(device), temperature)
+        mask = mb.response_mask.to(device)
+        kwargs = {}
+        if mb.rollout_logprobs is not None:
+            kwargs.update(rollout_logprobs=mb.rollout_logprobs.to(device), tis_cap=algo.tis_cap,
+                          tis_level=algo.tis_level)
+        if algo.agg == "seq-mean-token-sum-norm":
+            agg_normalizer = sum_norm_divisor
+        else:
+            agg_normalizer = normalizer
+        loss, metrics = policy_loss(
+            logprobs, mb.old_logprobs.to(device), mb.advantages.to(device), mask,
+            kind=algo.kind, clip_low=algo.clip_low, clip_high=algo.clip_high,
+            clip_ratio_c=algo.clip_ratio_c, agg=algo.agg, agg_normalizer=agg_normalizer, **kwargs,
+        )
+        if algo.agg == "seq-mean-token-sum-norm":  # its mean over sequences is per call
+            local_seqs = (mask.sum(-1) > 0).sum().clamp(min=1)
+            loss = loss * local_seqs / max(normalizer, 1.0)
+        metrics["policy_loss"] = loss.detach()
+        metrics["tokens"] = mask.sum().detach()
+        return loss * scale, metrics
+
+    return _run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False)
+
+
+def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
+    """Token-weighted means over micro-batches and data-parallel ranks (maxima for *_max,
+    sums for policy_loss), the same on every rank, whichever pipeline stage computed them."""
+    from megatron.core import parallel_state as mpu
+
+    names = METRIC_NAMES
+    counts_here = mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+    sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # last slot: tokens
+    maxima = torch.full((len(names),), -float("inf"), dtype=torch.float64)
+    present = torch.zeros(len(names), dtype=torch.float64)
+    for m in per_micro if counts_here else []:
+        tokens = float(m["tokens"])
+        sums[-1] += tokens
+        for i, key in enumerate(names):
+            if key not in m:
+                continue
+            present[i] = 1.0
+            value = float(m[key])
+            if key.endswith("_max"):
+                maxima[i] = max(float(maxima[i]), value)
+            else:
+                sums[i] += value if key == "policy_loss" else value * tokens
+    for tensor, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX),
+                       (present, dist.ReduceOp.MAX)):
+        dist.all_reduce(tensor, op=op)
+    total = max(float(sums[-1]), 1.0)
+    out = {}
+    for i, key in enumerate(names):
+        if not present[i]:
+            continue
+        if key.endswith("_max"):
+            out[key] = float(maxima[i])
+        else:
+            out[key] = float(sums[i]) if key == "policy_loss" else float(sums[i]) / total
+    return out
+
+
+METRIC_NAMES = (  # every metric policy_loss reports, in one order all ranks agree on
+    "approx_kl", "clipfrac", "clipfrac_high_side", "clipfrac_low_side", "clipfrac_lower",
+    "mismatch_abs_max", "mismatch_abs_mean", "mismatch_k3_kl", "policy_loss", "ratio_max",
+    "ratio_mean", "tis_clipfrac", "tis_weight_mean",
+)

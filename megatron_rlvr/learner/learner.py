@@ -1,0 +1,155 @@
+"""The learner facade: one object per rank that owns the Megatron model, optimizer and LR
+schedule, and offers the calls the RL loop needs: logprobs, train step, HF export,
+checkpoints. Every method is collective: all learner ranks call it with the same batch."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Iterator
+
+import torch
+import torch.distributed as dist
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.learner import model as model_lib
+from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices
+from megatron_rlvr.learner.forward import (
+    forward_logprobs,
+    reduce_metrics,
+    step_normalizer,
+    train_minibatch,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Learner:
+    def __init__(self, cfg: Config, hf_dir: str | Path):
+        """Builds this rank's model shard from the HF checkpoint, wraps it in Megatron DDP and
+        creates the (distributed) optimizer. Parallel state must be initialised first."""
+        from megatron.core.distributed import (
+            DistributedDataParallel,
+            DistributedDataParallelConfig,
+            finalize_model_grads,
+        )
+
+        self.cfg = cfg
+        dtype = DTYPES[cfg.trainer.dtype]
+        hf_config = model_lib.read_hf_config(hf_dir)
+        self.bridge = model_lib.make_bridge(
+            hf_config, device=cfg.parallel.device, dtype=dtype,
+            routing_replay=cfg.algo.routing_replay != "none",
+        )
+        modules = model_lib.build_model_chunks(self.bridge)
+        model_lib.load_hf_weights(modules, self.bridge, hf_dir)
+        tcfg = self.bridge.config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            use_distributed_optimizer=cfg.trainer.distributed_optimizer,
+        )
+        self.chunks = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=m)
+                       for m in modules]
+        self.optimizer = self._make_optimizer(dtype)
+        self.scheduler = self._make_scheduler()
+        tcfg.finalize_model_grads_func = finalize_model_grads
+        tcfg.grad_scale_func = self.optimizer.scale_loss
+        self.step = 0
+
+    # ------------------------------------------------------------------ setup
+    def _make_optimizer(self, dtype: torch.dtype):
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        t = self.cfg.trainer
+        config = OptimizerConfig(
+            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
+            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=t.grad_clip,
+            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            use_distributed_optimizer=t.distributed_optimizer,
+        )
+        return get_megatron_optimizer(config, self.chunks)
+
+    def _make_scheduler(self):
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+        t = self.cfg.trainer
+        total = max(t.steps * self.cfg.algo.num_minibatches, 1)
+        return OptimizerParamScheduler(
+            self.optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+            lr_warmup_steps=t.warmup_steps * self.cfg.algo.num_minibatches,
+            lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total,
+            wd_incr_style="constant",
+        )
+
+    @property
+    def modules(self) -> list[torch.nn.Module]:
+        """The unwrapped GPTModel chunks of this rank."""
+        return [c.module for c in self.chunks]
+
+    # ------------------------------------------------------------------ layout helpers
+    def _local_batches(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[TrainBatch]]:
+        """This DP rank's sample indices per mini-batch, and those mini-batches, padded for
+        sequence parallel."""
+        from megatron.core import parallel_state as mpu
+
+        batch = batch.padded_to(self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1)
+        index = minibatch_indices(batch.size, self.cfg.algo.num_minibatches,
+                                  mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
+        return index, [batch.select(i) for i in index]
+
+    # ------------------------------------------------------------------ calls
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Per-token logprobs [B, T] of the batch under the current weights, on every rank."""
+        from megatron.core import parallel_state as mpu
+
+        for chunk in self.chunks:
+            chunk.eval()
+        index, local = self._local_batches(batch)
+        micro = [mb for mini in local for mb in micro_batches(mini, self.cfg.trainer.micro_batch_size)]
+        ours = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature)
+        width = local[0].input_ids.shape[1]
+        ours = torch.zeros(sum(len(i) for i in index), width) if ours is None else ours
+        if mpu.get_pipeline_model_parallel_world_size() > 1:
+            last = mpu.get_pipeline_model_parallel_last_rank()
+            dist.broadcast(ours, src=last, group=mpu.get_pipeline_model_parallel_group())
+        dp = mpu.get_data_parallel_world_size()
+        gathered = [torch.empty_like(ours) for _ in range(dp)]
+        dist.all_gather(gathered, ours, group=mpu.get_data_parallel_group())
+        full = torch.zeros(batch.size, width)
+        for rank, part in enumerate(gathered):
+            rows = torch.cat(minibatch_indices(batch.size, self.cfg.algo.num_minibatches, dp, rank))
+            full[rows] = part
+        return full[:, : batch.input_ids.shape[1]]
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """num_minibatches optimizer steps over the batch (needs advantages and
+        old_logprobs). Returns metrics averaged over mini-batches, plus the last grad norm."""
+        for chunk in self.chunks:
+            chunk.train()
+        _, local = self._local_batches(batch)
+        per_mini = self.cfg.algo.num_minibatches
+        full_minis = [batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
+                      for k in range(per_mini)]
+        history: list[dict[str, float]] = []
+        for mini, full in zip(local, full_minis):
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+            outputs = train_minibatch(
+                self.chunks, micro_batches(mini, self.cfg.trainer.micro_batch_size), self.cfg.algo,
+                normalizer=step_normalizer(full, self.cfg.algo.agg),
+                sum_norm_divisor=float(self.cfg.rollout.max_new_tokens),
+                temperature=self.cfg.rollout.temperature,
+            )
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            metrics = reduce_metrics(outputs)
+            metrics.update(grad_norm=float(grad_norm or 0.0), update_skipped=float(not ok),
+                           lr=self.optimizer.param_groups[0]["lr"])
+            history.append(metrics)
+        self.step += 1
+        return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+
+    def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """The full model as HF-named tensors (collective; see model.export_hf_weights)."""
+        return model_lib.export_hf_weights(self.modules, self.bridge)
