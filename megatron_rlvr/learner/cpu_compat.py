@@ -220,6 +220,28 @@ def _patch_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+# ---------------------------------------------------------------------------- 6. optimizer load
+def _patch_distributed_optimizer_load() -> None:
+    """Without TE/apex the distributed optimizer falls back to torch Adam, whose state holds a
+    per-parameter `step`; the fully-reshardable checkpoint load skips `step` in what it reads
+    but still copies every state key, so it raises KeyError('step'). Keep the live step (the
+    loaded one is restored from the common state). Remove when upstream skips it."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+
+    def set_states(self, model_param, tensors):
+        if "step" not in tensors and not self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            group_index, group_order = self.model_param_group_index_map[model_param]
+            main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+            step = self.optimizer.state[main_param].get("step")
+            if step is not None:
+                tensors = {**tensors, "step": step}
+        return original(self, model_param, tensors)
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+
+
 # ---------------------------------------------------------------------------- entry point
 def check_version() -> None:
     import megatron.core
@@ -244,6 +266,7 @@ def apply() -> None:
     _patch_moe_utils()
     _patch_torch_norm()
     _patch_autograd_backward()
+    _patch_distributed_optimizer_load()
     mode = CudaToCpuMode()
     mode.__enter__()  # stays active for the life of the process, by design
     _state.update(applied=True, mode=mode)

@@ -1,0 +1,111 @@
+"""Learner checkpoints with Megatron's dist_checkpointing: model, optimizer, LR schedule, step
+and RNG. Tensors are saved by their global (unsharded) coordinates, so a checkpoint saved in
+one layout (say TP=2) loads into another (say EP=2). RNG states are per rank and only
+restored into the same layout."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+# Layout-independent optimizer state: per-parameter tensors, keys without the chained-optimizer
+# prefix (dense and expert optimizers chain differently in different layouts).
+OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
+
+
+def _layout() -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(shape, this rank's offset) of the model-parallel grid, for per-rank objects."""
+    from megatron.core import parallel_state as mpu
+
+    shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
+             mpu.get_expert_model_parallel_world_size(), mpu.get_data_parallel_world_size())
+    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
+              mpu.get_expert_model_parallel_rank(), mpu.get_data_parallel_rank())
+    return shape, offset
+
+
+def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    model_sd = learner.modules[0].sharded_state_dict()
+    state = {"model": model_sd}
+    if with_optimizer and loading:
+        _allocate_optimizer_state(learner.optimizer)
+    if with_optimizer:
+        state["optimizer"] = learner.optimizer.sharded_state_dict(
+            model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)
+    if with_rng:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        shape, offset = _layout()
+        rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        state["rng"] = ShardedObject(f"rng_state_{'x'.join(map(str, shape))}", rng, shape, offset,
+                                     replica_id=0)
+    return state
+
+
+def _allocate_optimizer_state(optimizer) -> None:
+    """A fresh torch Adam has no state until its first step, and the distributed optimizer
+    cannot describe (or receive) state it does not have: allocate it with Megatron's own
+    zero-gradient dummy step, which the load then overwrites."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if isinstance(opt, DistributedOptimizer) and len(opt.optimizer.state) == 0:
+            opt._init_optimizer_states_with_dummy_values()
+
+
+def save_checkpoint(learner, path: str | Path) -> None:
+    """Collective: every learner rank calls it with the same path."""
+    from megatron.core import dist_checkpointing
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    state = _state(learner, loading=False, with_optimizer=True, with_rng=True)
+    state["scheduler"] = learner.scheduler.state_dict()
+    state["step"] = learner.step
+    state["layout"] = list(_layout()[0])
+    state["optimizer_parts"] = _optimizer_parts(learner.optimizer)
+    dist_checkpointing.save(state, str(path))
+
+
+def _optimizer_parts(optimizer) -> int:
+    """How many optimizers Megatron chains (dense, experts): it depends on the layout."""
+    return len(getattr(optimizer, "chained_optimizers", [optimizer]))
+
+
+def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -> int:
+    """Restores a checkpoint saved in any layout; returns its step. RNG states come back only
+    when the layout is the same (they are per rank)."""
+    from megatron.core import dist_checkpointing
+
+    common = dist_checkpointing.load_common_state_dict(str(path))
+    same_layout = list(common.get("layout", [])) == list(_layout()[0])
+    if with_optimizer and common.get("optimizer_parts") != _optimizer_parts(learner.optimizer):
+        # Megatron stores chained optimizers' common state by position, so a layout that
+        # chains differently (e.g. TP=2 → EP=2 adds an expert optimizer) cannot take it back.
+        log.warning("checkpoint %s: optimizer is chained differently in this layout; "
+                    "loading weights, LR schedule and step, and starting Adam moments afresh", path)
+        with_optimizer = False
+        learner.scheduler.load_state_dict(common["scheduler"])
+    state = _state(learner, loading=True, with_optimizer=with_optimizer, with_rng=same_layout)
+    loaded = dist_checkpointing.load(state, str(path))
+    learner.modules[0].load_state_dict(loaded["model"])
+    if with_optimizer:
+        learner.optimizer.load_state_dict(loaded["optimizer"])
+        learner.scheduler.load_state_dict(common["scheduler"])
+    else:
+        learner.optimizer.reload_model_params()
+    if same_layout:
+        from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+        torch.set_rng_state(loaded["rng"]["torch"])
+        get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
+    else:
+        log.info("checkpoint layout %s differs from this one: RNG states not restored",
+                 common.get("layout"))
+    learner.step = int(common["step"])
+    return learner.step
