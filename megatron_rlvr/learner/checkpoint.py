@@ -9,6 +9,7 @@ import logging
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
 log = logging.getLogger(__name__)
 # Layout-independent optimizer state: per-parameter tensors, keys without the chained-optimizer
@@ -16,15 +17,13 @@ log = logging.getLogger(__name__)
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable", "chained_optim_avoid_prefix": True}
 
 
-def _layout() -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """(shape, this rank's offset) of the model-parallel grid, for per-rank objects."""
+def _layout() -> list[int]:
+    """The parallel layout (pp, tp, ep, etp, dp): per-rank state only fits the same one."""
     from megatron.core import parallel_state as mpu
 
-    shape = (mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
-             mpu.get_expert_model_parallel_world_size(), mpu.get_data_parallel_world_size())
-    offset = (mpu.get_pipeline_model_parallel_rank(), mpu.get_tensor_model_parallel_rank(),
-              mpu.get_expert_model_parallel_rank(), mpu.get_data_parallel_rank())
-    return shape, offset
+    return [mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
+            mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size(),
+            mpu.get_data_parallel_world_size()]
 
 
 def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
@@ -40,10 +39,9 @@ def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool) -> d
     if with_rng:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-        shape, offset = _layout()
         rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
-        state["rng"] = ShardedObject(f"rng_state_{'x'.join(map(str, shape))}", rng, shape, offset,
-                                     replica_id=0)
+        state["rng"] = ShardedObject("rng_state", rng, (dist.get_world_size(),),
+                                     (dist.get_rank(),), replica_id=0)
     return state
 
 
@@ -67,7 +65,7 @@ def save_checkpoint(learner, path: str | Path) -> None:
     state = _state(learner, loading=False, with_optimizer=True, with_rng=True)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step
-    state["layout"] = list(_layout()[0])
+    state["layout"] = _layout()
     state["optimizer_parts"] = _optimizer_parts(learner.optimizer)
     dist_checkpointing.save(state, str(path))
 
@@ -83,7 +81,7 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(str(path))
-    same_layout = list(common.get("layout", [])) == list(_layout()[0])
+    same_layout = list(common.get("layout", [])) == _layout()
     if with_optimizer and common.get("optimizer_parts") != _optimizer_parts(learner.optimizer):
         # Megatron stores chained optimizers' common state by position, so a layout that
         # chains differently (e.g. TP=2 → EP=2 adds an expert optimizer) cannot take it back.

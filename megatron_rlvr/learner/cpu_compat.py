@@ -223,11 +223,22 @@ def _patch_torch_norm() -> None:
 # ---------------------------------------------------------------------------- 6. optimizer load
 def _patch_distributed_optimizer_load() -> None:
     """Without TE/apex the distributed optimizer falls back to torch Adam, whose state holds a
-    per-parameter `step`; the fully-reshardable checkpoint load skips `step` in what it reads
-    but still copies every state key, so it raises KeyError('step'). Keep the live step (the
-    loaded one is restored from the common state). Remove when upstream skips it."""
+    per-parameter `step` tensor. Two load bugs follow: (a) load_state_dict gives every
+    parameter the SAME step tensor, which torch Adam then increments once per parameter, so
+    bias correction drifts after a resume: give each its own copy; (b) the fully-reshardable
+    load skips `step` in what it reads but copies every state key, raising KeyError('step'):
+    keep the live (just restored) step. Remove when upstream handles torch Adam's step."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
+    original_load = DistributedOptimizer.load_state_dict
+
+    def load_state_dict(self, state_dict):
+        original_load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()
+
+    DistributedOptimizer.load_state_dict = load_state_dict
     original = DistributedOptimizer._set_main_param_and_optimizer_states
 
     def set_states(self, model_param, tensors):

@@ -1,0 +1,13 @@
+import pytest
+
+from megatron_rlvr.config import TinyModel
+
+VOCAB = 96  # divisible by every tensor-parallel size the tests use
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_dir(tmp_path_factory):
+    """A random tiny Qwen3-MoE (2 layers, 4 experts, top-2) saved as an HF checkpoint."""
+    from megatron_rlvr.tiny_model import build_tiny_hf_model
+
+    return build_tiny_hf_model(TinyModel(), tmp_path_factory.mktemp("tiny-qwen3-moe"), VOCAB)
