@@ -92,6 +92,9 @@ def _to_cpu_device(value: Any) -> Any:
     return value
 
 
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+
+
 class CudaToCpuMode(TorchFunctionMode):
     """Redirects every CUDA placement (device="cuda"/index kwargs, .cuda(), .to("cuda")) to
     the CPU, and makes `grad.type()` report the CUDA type that clip_grads.py asserts on.
@@ -99,6 +102,8 @@ class CudaToCpuMode(TorchFunctionMode):
     Remove when Megatron-Core takes a device argument throughout."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not kwargs and func not in _SPECIAL:  # the hot path: most ops place nothing
+            return func(*args)
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]

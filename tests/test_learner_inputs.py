@@ -1,0 +1,35 @@
+"""Bad input to the learner fails early, in one line, naming the problem."""
+
+import json
+
+import pytest
+
+from megatron_rlvr.config import load_config
+from megatron_rlvr.learner import cpu_compat
+from megatron_rlvr.learner.model import UnsupportedArchitecture, read_hf_config
+from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
+
+
+def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(UnsupportedArchitecture, match=r"'llama' .* not supported \(supported: qwen3_moe\)"):
+        read_hf_config(tmp_path)
+
+
+def test_world_size_must_match_the_layout_before_any_group_starts():
+    cfg = load_config(None, ["parallel.tp=2"])
+    with pytest.raises(ValueError, match=r"world size 3 != parallel.tp · pp · dp = 2·1·1 = 2"):
+        init_parallel(cfg.parallel, Rendezvous(rank=0, world_size=3))
+
+
+def test_cpu_compat_refuses_an_untested_megatron_core(monkeypatch):
+    import megatron.core
+
+    monkeypatch.setattr(megatron.core, "__version__", "0.99.0")
+    with pytest.raises(cpu_compat.CpuCompatError, match=r"0.99.0 is not the version .* \(0.16.1\)"):
+        cpu_compat.check_version()
+
+
+def test_layouts_that_do_not_divide_the_model_fail_in_the_config():
+    with pytest.raises(ValueError, match="parallel.ep = 3"):
+        load_config(None, ["parallel.ep=3"])
