@@ -7,9 +7,7 @@ between the two so machine noise hits both alike; medians are reported.
 
 from __future__ import annotations
 
-import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -17,17 +15,13 @@ import time
 import torch
 
 from megatron_rlvr.algo.losses import policy_loss
+from _common import step_benchmark_args
 from megatron_rlvr.config import TinyModel, load_config
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.learner import Learner
-from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
+from megatron_rlvr.learner.parallel import Rendezvous, free_port, init_parallel
 from megatron_rlvr.tiny_model import build_tiny_hf_model
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class HFStep:
@@ -56,12 +50,7 @@ class HFStep:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--length", type=int, default=48)
-    args = parser.parse_args()
-    torch.set_num_threads(1)
+    args = step_benchmark_args(__doc__)
     cfg = load_config(None, [f"trainer.micro_batch_size={args.batch}", "trainer.distributed_optimizer=false",
                              "algo.tis_cap=null"])
     hf_dir = build_tiny_hf_model(TinyModel(), tempfile.mkdtemp(), vocab_size=128)

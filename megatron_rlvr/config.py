@@ -294,6 +294,9 @@ class TrainerConfig(Section):
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
     distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")
     lr_decay_style: Literal["constant", "linear", "cosine"] = "constant"
+    recompute_activations: bool = Field(
+        False, description="recompute each layer's activations in backward (saves memory)"
+    )
     seed: int = 0
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
     resume: bool = Field(True, description="resume from output_dir when a checkpoint is there")

@@ -4,18 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
+from megatron_rlvr.learner.parallel import free_port
+
 WORKER = Path(__file__).with_name("learner_worker.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(world_size: int, args: list[str], out_dir: Path, timeout_s: float = 300) -> list[dict]:

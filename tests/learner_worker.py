@@ -2,7 +2,8 @@
 
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
-Scenarios: parity (logprobs vs HF, one train step, export), ckpt-save, ckpt-load, descent.
+Scenarios: parity (logprobs vs HF, one train step, export), ckpt-save, ckpt-load, descent,
+replay-r2, replay-r3, replay-r3-perturbed.
 Writes this rank's JSON result to $RESULT.
 """
 
@@ -79,6 +80,110 @@ def descent(learner: Learner) -> dict:
     return {"losses": [learner.train_step(batch)["policy_loss"] for _ in range(6)]}
 
 
+class UsedRouting:
+    """Test probe: for every router call, does the routing used equal the replay target?
+    Recomputed forwards inside backward (grad enabled under activation recompute) take their
+    targets from Megatron's FIFO, not the latest target: they are checked end to end instead
+    (same loss and gradients as without recompute)."""
+
+    def __init__(self, learner: Learner):
+        self.mismatched = self.checked = 0
+        self.recompute = learner.cfg.trainer.recompute_activations
+        replay = learner.replay
+        for _, router in replay.routers:
+            router.register_forward_hook(self._check)
+
+    def _check(self, router, args, output):
+        target = router.router_replay.target_topk_idx
+        action = router.router_replay.router_replay_action
+        if target is None or action is None or action.value == "record":
+            return
+        if self.recompute and torch.is_grad_enabled():
+            return
+        used = output[1].float().topk(router.topk, dim=-1).indices.sort(-1).values
+        self.checked += used.shape[0]
+        self.mismatched += int((used != target.long().sort(-1).values).any(-1).sum())
+
+
+def hf_routing(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    """HF transformers' own top-k routing [B, T, layers, k] for these tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(ids, output_router_logits=True).router_logits
+    k = model.config.num_experts_per_tok
+    per_layer = [lg.view(ids.shape[0], ids.shape[1], -1).topk(k, dim=-1).indices for lg in logits]
+    return torch.stack(per_layer, dim=2)
+
+
+def with_engine_routing(batch: TrainBatch, routing: torch.Tensor, num_experts: int) -> TrainBatch:
+    """Round-trips HF's routing through SGLang's wire format, as an engine would send it."""
+    from megatron_rlvr.learner.routing_replay import replay_valid_mask
+    from megatron_rlvr.rollout.routed_experts import decode_routed_experts, encode_routed_experts, pack_routed_experts
+
+    lengths = (replay_valid_mask(batch.response_mask).sum(1) + 1).tolist()
+    layers, k = routing.shape[2], routing.shape[3]
+    decoded = [decode_routed_experts(encode_routed_experts(routing[b, : n - 1].numpy()), num_layers=layers,
+                                     top_k=k, num_experts=num_experts, sample=str(b))
+               for b, n in enumerate(lengths)]
+    batch.routed_experts = pack_routed_experts(decoded, lengths, batch.input_ids.shape[1], num_layers=layers,
+                                               top_k=k, sample_ids=[str(b) for b in range(batch.size)])
+    return batch
+
+
+def perturb_routers(learner: Learner, scale: float) -> None:
+    """The same noise per global layer in every layout."""
+    with torch.no_grad():
+        for layer, router in learner.replay.routers:
+            gen = torch.Generator().manual_seed(7 + layer)
+            router.weight.add_(scale * torch.randn(router.weight.shape, generator=gen))
+
+
+def router_weights(learner: Learner) -> list[torch.Tensor]:
+    return [router.weight.detach().clone() for _, router in learner.replay.routers]
+
+
+def replay_r2(learner: Learner, hf_dir: str) -> dict:
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    probe = UsedRouting(learner)
+    batch = with_rl_fields(batch, learner.compute_logprobs(batch))
+    perturb_routers(learner, 1.0)  # the natural routing now differs from what was recorded
+    before = router_weights(learner)
+    metrics = learner.train_step(batch)
+    after = router_weights(learner)
+    return {"checked": probe.checked, "mismatched": probe.mismatched, "metrics": metrics,
+            "router_weights_moved": all(not torch.equal(a, b) for a, b in zip(before, after))}
+
+
+def replay_r3(learner: Learner, hf_dir: str, perturb: bool) -> dict:
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    batch = with_engine_routing(batch, hf_routing(hf_dir, batch.input_ids),
+                                learner.bridge.hf_config.num_experts)
+    if perturb:
+        perturb_routers(learner, 1.0)
+    probe = UsedRouting(learner)
+    logprobs = learner.compute_logprobs(batch)
+    valid = torch.zeros_like(logprobs, dtype=torch.bool)
+    valid[:, 1:] = batch.response_mask[:, 1:] > 0
+    diff = (logprobs - hf_logprobs(hf_dir, batch.input_ids))[valid].abs().max()
+    metrics = learner.train_step(with_rl_fields(batch, logprobs))
+    return {"checked": probe.checked, "mismatched": probe.mismatched, "metrics": metrics,
+            "logprob_max_diff_vs_hf": float(diff)}
+
+
+def replay_errors(learner: Learner) -> dict:
+    """The messages a user gets for replay misuse."""
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    errors = {}
+    for name, call in (("train_before_logprobs", lambda: learner.train_step(with_rl_fields(batch, torch.zeros(16, 12)))),):
+        try:
+            call()
+        except (RuntimeError, ValueError) as err:
+            errors[name] = str(err)
+    return errors
+
+
 def main() -> None:
     scenario, hf_dir, *rest = sys.argv[1:]
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
@@ -90,6 +195,12 @@ def main() -> None:
         result = parity(learner, hf_dir)
     elif scenario == "descent":
         result = descent(learner)
+    elif scenario == "replay-r2":
+        result = replay_r2(learner, hf_dir)
+    elif scenario == "replay-errors":
+        result = replay_errors(learner)
+    elif scenario in ("replay-r3", "replay-r3-perturbed"):
+        result = replay_r3(learner, hf_dir, perturb=scenario.endswith("perturbed"))
     elif scenario == "ckpt-save":
         batch = with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids))
         learner.train_step(batch)

@@ -20,6 +20,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None  # [B] or [B, T]
     old_logprobs: torch.Tensor | None = None  # [B, T]
     rollout_logprobs: torch.Tensor | None = None  # [B, T]
+    routed_experts: torch.Tensor | None = None  # [B, T, num_hidden_layers, top_k]: engine routing (R3)
 
     @property
     def size(self) -> int:
@@ -38,7 +39,9 @@ class TrainBatch:
             return self
 
         def pad(t: torch.Tensor | None) -> torch.Tensor | None:
-            return t if t is None or t.dim() < 2 else torch.nn.functional.pad(t, (0, extra))
+            if t is None or t.dim() < 2:
+                return t
+            return torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, extra])
 
         return replace(self, **{f.name: pad(getattr(self, f.name)) for f in fields(self)})
 

@@ -75,10 +75,14 @@ class CpuRNGStatesTracker:
 
 
 def _install_rng_tracker() -> None:
+    """Also the "device" RNG state that activation recompute saves and restores around each
+    recomputed layer: on CPU the CPU generator already is (and is restored separately)."""
     from megatron.core.tensor_parallel import random as mcore_random
 
     mcore_random._CUDA_RNG_STATE_TRACKER = CpuRNGStatesTracker()
     mcore_random._CUDA_RNG_STATE_TRACKER_INITIALIZED = True
+    mcore_random._get_cuda_rng_state = lambda *args, **kwargs: torch.get_rng_state()
+    mcore_random._set_cuda_rng_state = lambda state, *args, **kwargs: None
 
 
 # ---------------------------------------------------------------------------- 2. cuda → cpu

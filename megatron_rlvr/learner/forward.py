@@ -8,6 +8,7 @@ the vocabulary and only per-token maxima and sums cross ranks, never the full-vo
 from __future__ import annotations
 
 from functools import partial
+from typing import Protocol
 
 import torch
 import torch.distributed as dist
@@ -32,21 +33,35 @@ def _device() -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
-def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool):
+class MicroBatchHooks(Protocol):
+    """Called around each micro-batch's forward on this rank (routing replay uses it)."""
+
+    def before_forward(self, index: int, mb: TrainBatch) -> None: ...
+
+    def after_forward(self, index: int, mb: TrainBatch, output: torch.Tensor) -> None: ...
+
+
+def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool,
+                  hooks: MicroBatchHooks | None = None, first_index: int = 0):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq_length = micro[0].input_ids.shape[1]
     device = _device()
 
     def forward_step(data_iterator, model):
-        mb = next(data_iterator)
+        index, mb = next(data_iterator)
         ids = mb.input_ids.to(device)
         positions = torch.arange(seq_length, device=device).unsqueeze(0).expand_as(ids)
-        return model(ids, positions, None), partial(loss_fn, mb)
+        if hooks is not None:
+            hooks.before_forward(index, mb)
+        output = model(ids, positions, None)
+        if hooks is not None:
+            hooks.after_forward(index, mb, output)
+        return output, partial(loss_fn, mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(micro),
+        data_iterator=iter(enumerate(micro, start=first_index)),
         model=chunks,
         num_microbatches=len(micro),
         seq_length=seq_length,
@@ -56,7 +71,8 @@ def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: boo
     )
 
 
-def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float) -> torch.Tensor | None:
+def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float,
+                     hooks: MicroBatchHooks | None = None) -> torch.Tensor | None:
     """Logprobs [n, T] of this rank's micro-batches on the last pipeline stage, else None."""
     from megatron.core import parallel_state as mpu
 
@@ -64,7 +80,7 @@ def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float) -> tor
         return token_logprobs(output, mb.input_ids.to(output.device), temperature).detach()
 
     with torch.no_grad():
-        outputs = _run_schedule(chunks, micro, collect, forward_only=True, collect=True)
+        outputs = _run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
     return torch.cat(outputs).cpu() if mpu.is_pipeline_last_stage() else None
 
 
@@ -77,7 +93,8 @@ def step_normalizer(batch: TrainBatch, agg: str) -> float:
 
 
 def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normalizer: float,
-                    sum_norm_divisor: float, temperature: float) -> list[dict[str, torch.Tensor]]:
+                    sum_norm_divisor: float, temperature: float,
+                    hooks: MicroBatchHooks | None = None, first_index: int = 0) -> list[dict[str, torch.Tensor]]:
     """Forward+backward of one mini-batch's micro-batches; gradients accumulate in the DDP
     buffers. Each micro-batch's loss is divided by the whole mini-batch's global count, then
     multiplied back by the factors Megatron divides by (micro-batch count, and DP size in the
@@ -110,7 +127,8 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
         metrics["tokens"] = mask.sum().detach()
         return loss * scale, metrics
 
-    return _run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False)
+    return _run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks,
+                         first_index=first_index)
 
 
 def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:

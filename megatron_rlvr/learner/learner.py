@@ -19,8 +19,13 @@ from megatron_rlvr.learner.forward import (
     step_normalizer,
     train_minibatch,
 )
+from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def _fingerprint(batch: TrainBatch) -> tuple:
+    return tuple(batch.input_ids.shape), int(batch.input_ids.sum()), int(batch.response_mask.sum())
 
 
 class Learner:
@@ -33,13 +38,17 @@ class Learner:
             finalize_model_grads,
         )
 
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
         self.cfg = cfg
         dtype = DTYPES[cfg.trainer.dtype]
         hf_config = model_lib.read_hf_config(hf_dir)
         self.bridge = model_lib.make_bridge(
             hf_config, device=cfg.parallel.device, dtype=dtype,
             routing_replay=cfg.algo.routing_replay != "none",
+            recompute=cfg.trainer.recompute_activations,
         )
+        RouterReplay.clear_global_router_replay_instances()  # a process-global list: ours only
         modules = model_lib.build_model_chunks(self.bridge)
         model_lib.load_hf_weights(modules, self.bridge, hf_dir)
         tcfg = self.bridge.config
@@ -54,6 +63,14 @@ class Learner:
         tcfg.finalize_model_grads_func = finalize_model_grads
         tcfg.grad_scale_func = self.optimizer.scale_loss
         self.step = 0
+        self.replay = None
+        if cfg.algo.routing_replay != "none":
+            self.replay = RoutingReplay(
+                modules, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
+                sequence_parallel=tcfg.sequence_parallel, recompute=cfg.trainer.recompute_activations,
+            )
+        self._recorded_batch: tuple | None = None  # which batch R2's recorded routing belongs to
+        self._engine_agreement: dict[str, float] = {}
 
     # ------------------------------------------------------------------ setup
     def _make_optimizer(self, dtype: torch.dtype):
@@ -98,15 +115,51 @@ class Learner:
         return index, [batch.select(i) for i in index]
 
     # ------------------------------------------------------------------ calls
+    def _routing_hooks(self, batch: TrainBatch, phase: str):
+        """Micro-batch hooks for the configured replay mode: R2 records in the old-logprob
+        pass and replays in training; R3 replays the engine's routing in both."""
+        mode = self.cfg.algo.routing_replay
+        if mode == "none":
+            return None
+        if mode == "r3":
+            self._check_routed_experts(batch)
+            return ReplayRouting(self.replay, "engine")
+        if phase == "old_logprobs":
+            self.replay.recorded.clear()
+            self._recorded_batch = _fingerprint(batch)
+            return RecordRouting(self.replay)
+        if self._recorded_batch != _fingerprint(batch):
+            raise RuntimeError("algo.routing_replay = r2 replays the routing recorded while computing "
+                               "this batch's old logprobs: call compute_logprobs(batch) first")
+        return ReplayRouting(self.replay, "recorded")
+
+    def _check_routed_experts(self, batch: TrainBatch) -> None:
+        hf = self.bridge.hf_config
+        expected = (batch.size, batch.input_ids.shape[1], hf.num_hidden_layers, hf.num_experts_per_tok)
+        if batch.routed_experts is None:
+            raise ValueError("algo.routing_replay = r3 needs the engine's routed experts for every "
+                             "sample (batch.routed_experts is missing; is the engine capturing them?)")
+        if tuple(batch.routed_experts.shape) != expected:
+            raise ValueError(f"batch.routed_experts shaped {tuple(batch.routed_experts.shape)}, "
+                             f"expected [batch, tokens, layers, top_k] = {list(expected)}")
+
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Per-token logprobs [B, T] of the batch under the current weights, on every rank."""
+        """Per-token logprobs [B, T] of the batch under the current weights, on every rank.
+        This is the old-logprob pass: under R2 it records the routing, under R3 it replays the
+        engine's."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
             chunk.eval()
         index, local = self._local_batches(batch)
         micro = [mb for mini in local for mb in micro_batches(mini, self.cfg.trainer.micro_batch_size)]
-        ours = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature)
+        hooks = self._routing_hooks(batch, "old_logprobs")
+        ours = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
+        if self.replay is not None:
+            self.replay.clear()
+            self.replay.stop_measuring()
+            if self.cfg.algo.routing_replay == "r3":
+                self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
         width = local[0].input_ids.shape[1]
         ours = torch.zeros(sum(len(i) for i in index), width) if ours is None else ours
         if mpu.get_pipeline_model_parallel_world_size() > 1:
@@ -131,16 +184,21 @@ class Learner:
         full_minis = [batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
                       for k in range(per_mini)]
         history: list[dict[str, float]] = []
-        for mini, full in zip(local, full_minis):
+        hooks = self._routing_hooks(batch, "train")
+        for k, (mini, full) in enumerate(zip(local, full_minis)):
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
+            micro = micro_batches(mini, self.cfg.trainer.micro_batch_size)
             outputs = train_minibatch(
-                self.chunks, micro_batches(mini, self.cfg.trainer.micro_batch_size), self.cfg.algo,
+                self.chunks, micro, self.cfg.algo,
                 normalizer=step_normalizer(full, self.cfg.algo.agg),
                 sum_norm_divisor=float(self.cfg.rollout.max_new_tokens),
                 temperature=self.cfg.rollout.temperature,
+                hooks=hooks, first_index=k * len(micro),
             )
+            if self.replay is not None:
+                self.replay.clear()
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             metrics = reduce_metrics(outputs)
@@ -148,7 +206,12 @@ class Learner:
                            lr=self.optimizer.param_groups[0]["lr"])
             history.append(metrics)
         self.step += 1
-        return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        metrics = {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        if self.replay is not None:
+            self.replay.stop_measuring()
+            metrics.update(self.replay.take_agreement("routing_agreement"))
+            metrics.update(self._engine_agreement)
+        return metrics
 
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model as HF-named tensors (collective; see model.export_hf_weights)."""

@@ -62,7 +62,8 @@ def _bridge_class(model_type: str):
     return getattr(importlib.import_module(module), name)
 
 
-def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: bool):
+def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: bool,
+                recompute: bool = False):
     """An mbridge bridge for the current Megatron parallel state, with the layer spec and
     fusions chosen for the device: transformer-engine spec on CUDA when TE imports, the local
     spec (and no fused kernels) otherwise."""
@@ -87,6 +88,9 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
         hidden_dropout=0.0,
         use_cpu_initialization=device == "cpu",
     )
+    if recompute:
+        overrides.update(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
     if not use_te:
         overrides.update(
             moe_grouped_gemm=False, persist_layer_norm=False, masked_softmax_fusion=False,

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import datetime
 import os
+import socket
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from megatron_rlvr.config import ParallelConfig
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now on host, for a local rendezvous."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,204 @@
+"""Routing replay (R2, R3) on Megatron-Core's RouterReplay, fed per micro-batch.
+
+RouterReplay keeps, per router, ONE target index tensor for the next forward, in the router's
+local token order: [s_local · b, top_k], sequence-major, where s_local is this rank's
+sequence-parallel chunk. So targets are set before every micro-batch's forward, from:
+  R2: what the same micro-batch recorded during the old-logprob pass (same partition of the
+      batch into mini- and micro-batches, same rank), or
+  R3: the engine's routing, a host tensor [B, T, num_hidden_layers, top_k], mapped here to
+      this rank's tokens (SP chunk) and this stage's MoE layers (dense layers skipped).
+With activation recompute, the recomputed forward inside backward pops targets in micro-batch
+order (REPLAY_BACKWARD); a hook on each micro-batch's output switches to it when that
+micro-batch's backward starts.
+
+Router forward hooks also measure, per layer, how often the routing the model used agrees
+with its natural top-k (the agreement metrics).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def _moe_routers(modules: list[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+    """(global layer index, router) for this stage's MoE layers, in construction order."""
+    routers = []
+    for module in modules:
+        for layer in module.decoder.layers:
+            router = getattr(layer.mlp, "router", None)
+            if router is not None:
+                routers.append((layer.layer_number - 1, router))
+    return routers
+
+
+def local_token_order(per_position: torch.Tensor, tp_rank: int, tp_size: int,
+                      sequence_parallel: bool) -> torch.Tensor:
+    """[b, s, ...] per-position values → this rank's router token order [s_local · b, ...]."""
+    seq_major = per_position.transpose(0, 1)
+    if sequence_parallel and tp_size > 1:
+        chunk = seq_major.shape[0] // tp_size
+        seq_major = seq_major[tp_rank * chunk : (tp_rank + 1) * chunk]
+    return seq_major.reshape(-1, *seq_major.shape[2:])
+
+
+def replay_valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
+    """Positions whose routing counts [b, s]: real tokens except the last one (engines do not
+    route the last sampled token; padding is never seen by counted positions)."""
+    positions = torch.arange(response_mask.shape[1]).expand_as(response_mask)
+    last = torch.where(response_mask > 0, positions, torch.zeros_like(positions)).amax(dim=1)
+    return positions < last.unsqueeze(1)
+
+
+class RoutingReplay:
+    """This rank's routers and their RouterReplay instances, driven per micro-batch."""
+
+    def __init__(self, modules: list[torch.nn.Module], *, num_layers: int, top_k: int,
+                 sequence_parallel: bool, recompute: bool):
+        from megatron.core import parallel_state as mpu
+
+        self.routers = _moe_routers(modules)
+        if any(router.router_replay is None for _, router in self.routers):
+            raise RuntimeError("routing replay needs moe_enable_routing_replay=True in the model")
+        self.num_layers, self.top_k = num_layers, top_k
+        self.sequence_parallel, self.recompute = sequence_parallel, recompute
+        self.tp_rank = mpu.get_tensor_model_parallel_rank()
+        self.tp_size = mpu.get_tensor_model_parallel_world_size()
+        self.recorded: dict[int, list[torch.Tensor]] = {}
+        self._agree = torch.zeros(num_layers, dtype=torch.float64)
+        self._count = torch.zeros(num_layers, dtype=torch.float64)
+        self._valid: torch.Tensor | None = None
+        self._hooks = [router.register_forward_hook(self._measure(layer))
+                       for layer, router in self.routers]
+
+    # ------------------------------------------------------------------ actions
+    def _set_action(self, action) -> None:
+        for _, router in self.routers:
+            router.router_replay.set_router_replay_action(action)
+
+    def clear(self) -> None:
+        """Forget targets (and the backward FIFO) and return the routers to natural routing."""
+        for _, router in self.routers:
+            router.router_replay.clear_indices()
+            router.router_replay.clear_router_replay_action()
+
+    def record(self) -> None:
+        """Before a micro-batch forward of the old-logprob pass (R2)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._valid = None  # recorded routing is the natural routing: nothing to measure
+        self._set_action(RouterReplayAction.RECORD)
+
+    def keep_recorded(self, index: int) -> None:
+        """After that forward: keep what each local router chose for this micro-batch."""
+        self.recorded[index] = [router.router_replay.get_recorded_indices().detach().cpu()
+                                for _, router in self.routers]
+
+    def replay(self, targets: list[torch.Tensor], valid: torch.Tensor) -> None:
+        """Before a micro-batch forward: force each local router to `targets` (one tensor per
+        local MoE layer, in local token order)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        self._valid = valid
+        for (_, router), target in zip(self.routers, targets):
+            router.router_replay.set_target_indices(target.long())
+        self._set_action(RouterReplayAction.REPLAY_FORWARD)
+
+    def replay_backward_on(self, output: torch.Tensor) -> None:
+        """With activation recompute, switch to REPLAY_BACKWARD when this micro-batch's backward
+        begins (gradients reach its output before any recomputed layer)."""
+        from megatron.core.transformer.moe.router_replay import RouterReplayAction
+
+        if self.recompute and output.requires_grad:
+            output.register_hook(lambda grad: self._set_action(RouterReplayAction.REPLAY_BACKWARD))
+
+    # ------------------------------------------------------------------ data mapping
+    def engine_targets(self, routed_experts: torch.Tensor) -> list[torch.Tensor]:
+        """Engine routing of a micro-batch [b, s, num_hidden_layers, k] → per local MoE layer
+        [s_local · b, k]."""
+        if routed_experts.shape[2:] != (self.num_layers, self.top_k):
+            raise ValueError(
+                f"routed experts shaped {tuple(routed_experts.shape)}: the model has "
+                f"{self.num_layers} layers with top-{self.top_k}"
+            )
+        local = local_token_order(routed_experts, self.tp_rank, self.tp_size, self.sequence_parallel)
+        return [local[:, layer] for layer, _ in self.routers]
+
+    def local_valid(self, response_mask: torch.Tensor) -> torch.Tensor:
+        return local_token_order(replay_valid_mask(response_mask), self.tp_rank, self.tp_size,
+                                 self.sequence_parallel)
+
+    # ------------------------------------------------------------------ agreement
+    def _measure(self, layer: int):
+        """Router forward hook: does the natural top-k of this forward agree with the replayed
+        target? (Only replayed forwards set `_valid`; recomputations are skipped.)"""
+
+        def hook(router, args, output):
+            if self._valid is None or (self.recompute and torch.is_grad_enabled()):
+                return
+            with torch.no_grad():
+                scores = router.gating(args[0]).view(-1, router.config.num_moe_experts)
+                bias = getattr(router, "expert_bias", None)
+                if bias is not None:  # ranking then depends on the score function's values
+                    if router.config.moe_router_score_function == "sigmoid":
+                        scores = torch.sigmoid(scores.float())
+                    else:
+                        scores = torch.softmax(scores.float(), dim=-1)
+                    scores = scores + bias
+                natural = scores.topk(router.topk, dim=-1).indices.sort(dim=-1).values
+                used = router.router_replay.target_topk_idx.to(natural.device).long().sort(dim=-1).values
+                agree = (natural == used).all(dim=-1) & self._valid.to(natural.device)
+                self._agree[layer] += agree.sum().item()
+                self._count[layer] += self._valid.sum().item()
+
+        return hook
+
+    def take_agreement(self, prefix: str) -> dict[str, float]:
+        """Agreement of used vs natural routing since the last call, summed over all ranks:
+        overall and per layer (only MoE layers that saw tokens)."""
+        totals = torch.stack([self._agree, self._count])
+        dist.all_reduce(totals)
+        self._agree.zero_()
+        self._count.zero_()
+        agree, count = totals
+        if count.sum() == 0:
+            return {}
+        out = {prefix: float(agree.sum() / count.sum())}
+        for layer in range(self.num_layers):
+            if count[layer] > 0:
+                out[f"{prefix}/layer{layer}"] = float(agree[layer] / count[layer])
+        return out
+
+    def stop_measuring(self) -> None:
+        self._valid = None
+
+
+class RecordRouting:
+    """Micro-batch hooks of the R2 old-logprob pass: record every router's choice."""
+
+    def __init__(self, replay: RoutingReplay):
+        self.replay = replay
+
+    def before_forward(self, index: int, mb) -> None:
+        self.replay.record()
+
+    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
+        self.replay.keep_recorded(index)
+
+
+class ReplayRouting:
+    """Micro-batch hooks that force the routers: to what R2 recorded for the same micro-batch,
+    or (R3) to the engine's routing carried by the micro-batch."""
+
+    def __init__(self, replay: RoutingReplay, source: str):
+        self.replay, self.source = replay, source
+
+    def before_forward(self, index: int, mb) -> None:
+        if self.source == "recorded":
+            targets = self.replay.recorded[index]
+        else:
+            targets = self.replay.engine_targets(mb.routed_experts)
+        self.replay.replay(targets, self.replay.local_valid(mb.response_mask))
+
+    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
+        self.replay.replay_backward_on(output)

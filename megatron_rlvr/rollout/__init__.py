@@ -1,0 +1,1 @@
+"""Rollout side: the SGLang API protocol, engines, and the data they return."""
