@@ -1,0 +1,335 @@
+"""The CPU rollout engine: SGLang's generation semantics on top of HF transformers.
+
+One scheduler thread runs generation rounds: it takes every waiting sequence, left-pads them
+into one batch, prefills, then decodes token by token with a KV cache. Between decode steps
+it honours aborts and pauses (abort, retract: drop the KV and re-prefill later under whatever
+weights are loaded then, in_place: keep the KV and wait). Every token that goes through the
+model has its router top-k recorded, so `routed_experts` covers exactly positions
+0 … seq_len − 2, as SGLang's does. Logprobs are of the temperature-scaled distribution
+(log_softmax(logits / T); raw logits when T = 0), before top-p/top-k truncation.
+
+Weights live in the transformers model; `weights` addresses them by HF checkpoint names with
+experts one by one (transformers 5 fuses experts in memory), which is what updates carry.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+import uuid
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
+
+
+class EngineError(ValueError):
+    """A request this engine refuses (HTTP 400), with a message naming the problem."""
+
+
+@dataclass
+class Sequence:
+    """One sample being generated."""
+
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    future: Future = field(default_factory=Future)
+    output_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[str] = field(default_factory=list)  # weight version of each output token
+    routing: list[np.ndarray] = field(default_factory=list)  # [layers, k] per fed position
+    finish: FinishReason | None = None
+    aborted: bool = False
+    started: float = field(default_factory=time.monotonic)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+
+def expert_weight_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """HF checkpoint name → tensor (or view) in the loaded model; fused expert tensors are
+    exposed one expert at a time (`…experts.E.gate_proj.weight` is a view into gate_up_proj)."""
+    table: dict[str, torch.Tensor] = {}
+    for name, param in model.named_parameters():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, half = name[: -len("gate_up_proj")], param.shape[1] // 2
+            for e in range(param.shape[0]):
+                table[f"{prefix}{e}.gate_proj.weight"] = param.data[e, :half]
+                table[f"{prefix}{e}.up_proj.weight"] = param.data[e, half:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(param.shape[0]):
+                table[f"{prefix}{e}.down_proj.weight"] = param.data[e]
+        else:
+            table[name] = param.data
+    if getattr(model.config, "tie_word_embeddings", False):
+        table.pop("lm_head.weight", None)
+    return table
+
+
+class CpuEngine:
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_batch: int = 64,
+                 weight_version: str = "0"):
+        from transformers import AutoModelForCausalLM
+
+        self.model_dir = model_dir
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.model.eval()
+        self.config = self.model.config
+        self.weights = expert_weight_table(self.model)
+        self.tokenizer = _maybe_tokenizer(model_dir)
+        self.eos_ids = _eos_ids(self.model)
+        self.max_batch = max_batch
+        self.weight_version = weight_version
+        self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
+        self._routing_step: dict[int, torch.Tensor] = {}  # layer → top-k ids of the last forward
+        self._moe_layers = self._hook_routers()
+        self.model_lock = threading.Lock()  # held around forwards and weight writes
+        self._cond = threading.Condition()
+        self._waiting: list[Sequence] = []
+        self._running: list[Sequence] = []
+        self._paused: str | None = None  # None | "abort" | "retract" | "in_place"
+        self._stopped = False
+        self._seeds = itertools.count(1)
+        self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
+        self._thread.start()
+
+    def _hook_routers(self) -> list[int]:
+        """Forward hooks on every MoE layer's router: HF routers return the expert ids they
+        chose (order included) as the last element of their output."""
+        moe_layers = []
+        for index, layer in enumerate(self.model.model.layers):
+            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            if gate is None or not hasattr(gate, "top_k"):
+                continue
+            moe_layers.append(index)
+
+            def keep(module, args, output, index=index):
+                self._routing_step[index] = output[-1].detach()
+
+            gate.register_forward_hook(keep)
+        return moe_layers
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt_ids: list[int], params: SamplingParams, rid: str | None) -> list[Sequence]:
+        """Queues n samples of one prompt; each sequence's future resolves when it finishes."""
+        if not prompt_ids:
+            raise EngineError("input_ids is empty")
+        vocab = self.config.vocab_size
+        if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
+            raise EngineError(f"input_ids holds token ids outside the vocabulary [0, {vocab})")
+        if len(prompt_ids) + params.max_new_tokens > self.context_length:
+            raise EngineError(
+                f"the input ({len(prompt_ids)} tokens) plus max_new_tokens ({params.max_new_tokens}) "
+                f"is longer than the model's context length ({self.context_length} tokens)"
+            )
+        if params.stop and self.tokenizer is None:
+            raise EngineError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        rid = rid or uuid.uuid4().hex
+        base = params.sampling_seed
+        seqs = [Sequence(rid=rid, prompt_ids=list(prompt_ids), params=params,
+                         seed=(base + i) if base is not None else next(self._seeds) * 7919)
+                for i in range(params.n)]
+        with self._cond:
+            self._waiting.extend(seqs)
+            self._cond.notify_all()
+        return seqs
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> int:
+        """Marks matching sequences aborted: waiting ones finish at once, running ones at the
+        next decode step (with what they generated so far). Returns how many matched."""
+        with self._cond:
+            matched = [s for s in self._waiting + self._running if abort_all or s.rid == rid]
+            for seq in matched:
+                seq.aborted = True
+            for seq in [s for s in self._waiting if s.aborted]:
+                self._waiting.remove(seq)
+                self._finish(seq, FinishReason(type="abort", message="aborted"))
+            self._cond.notify_all()
+        return len(matched)
+
+    def pause(self, mode: str) -> None:
+        with self._cond:
+            self._paused = mode
+            if mode == "abort":
+                for seq in self._waiting + self._running:
+                    seq.aborted = True
+                for seq in list(self._waiting):
+                    self._waiting.remove(seq)
+                    self._finish(seq, FinishReason(type="abort", message="generation paused (abort)"))
+            self._cond.notify_all()
+
+    def resume(self) -> None:
+        with self._cond:
+            self._paused = None
+            self._cond.notify_all()
+
+    @property
+    def busy(self) -> bool:
+        """Sequences holding a KV cache (running, or paused in place)."""
+        with self._cond:
+            return bool(self._running)
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopped = True
+            self._cond.notify_all()
+        self._thread.join(timeout=10)
+
+    # ------------------------------------------------------------------ scheduler
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self._stopped and (self._paused or not self._waiting):
+                    self._cond.wait()
+                if self._stopped:
+                    return
+                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch:]
+                self._running = batch
+            try:
+                self._generate(batch)
+            except Exception as err:  # a broken round must not strand its requests
+                for seq in batch:
+                    if not seq.future.done():
+                        seq.future.set_exception(err)
+            finally:
+                with self._cond:
+                    self._running = []
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        seq.finish = reason
+        if not seq.future.done():
+            seq.future.set_result(seq)
+
+    def _forward(self, ids, attention, positions, past):
+        with self.model_lock, torch.no_grad():
+            self._routing_step.clear()
+            return self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
+                              past_key_values=past, use_cache=True)
+
+    def _generate(self, batch: list[Sequence]) -> None:
+        width = max(len(s.tokens) for s in batch)
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        attention = torch.zeros(len(batch), width, dtype=torch.long)
+        for i, seq in enumerate(batch):
+            ids[i, width - len(seq.tokens):] = torch.tensor(seq.tokens)
+            attention[i, width - len(seq.tokens):] = 1
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        for seq in batch:
+            seq.routing = []  # a (re)prefill routes every position again, under current weights
+        out = self._forward(ids, attention, positions, None)
+        self._record_routing(batch, out, [len(s.tokens) for s in batch])
+        generators = [torch.Generator().manual_seed(s.seed + len(s.output_ids)) for s in batch]
+        active = [True] * len(batch)
+        while True:
+            next_ids = torch.zeros(len(batch), 1, dtype=torch.long)
+            for i, seq in enumerate(batch):
+                if active[i]:
+                    token, logprob = _sample(out.logits[i, -1].float(), seq.params, generators[i])
+                    seq.output_ids.append(token)
+                    seq.logprobs.append(logprob)
+                    seq.versions.append(self.weight_version)
+                    next_ids[i, 0] = token
+                    reason = self._stop_reason(seq, token)
+                    if reason is not None:
+                        active[i] = False
+                        self._finish(seq, reason)
+            if not self._between_steps(batch, active):
+                return
+            attention = torch.cat([attention, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
+            positions = positions[:, -1:] + 1
+            out = self._forward(next_ids, attention, positions, out.past_key_values)
+            self._record_routing([s if a else None for s, a in zip(batch, active)], out, [1] * len(batch))
+
+    def _between_steps(self, batch: list[Sequence], active: list[bool]) -> bool:
+        """Applies aborts and pauses between decode steps; False when the round is over."""
+        with self._cond:
+            for i, seq in enumerate(batch):
+                if active[i] and seq.aborted:
+                    active[i] = False
+                    self._finish(seq, FinishReason(type="abort", message="aborted"))
+            if self._paused == "retract":
+                retracted = [s for s, a in zip(batch, active) if a]
+                self._waiting = retracted + self._waiting  # re-prefilled after continue
+                return False
+            while self._paused == "in_place" and not self._stopped:
+                self._cond.wait()
+            return any(active) and not self._stopped
+
+    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
+        p = seq.params
+        if not p.ignore_eos and token in self.eos_ids:
+            return FinishReason(type="stop", matched=token)
+        if p.stop_token_ids and token in p.stop_token_ids:
+            return FinishReason(type="stop", matched=token)
+        if p.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(seq.output_ids)
+            for stop in [p.stop] if isinstance(p.stop, str) else p.stop:
+                if stop and text.endswith(stop):
+                    return FinishReason(type="stop", matched=stop)
+        if len(seq.output_ids) >= p.max_new_tokens:
+            return FinishReason(type="length", length=len(seq.output_ids))
+        return None
+
+    def _record_routing(self, batch: list[Sequence | None], out, fed: list[int]) -> None:
+        """Router choices for the tokens this forward fed, per sequence: [fed, layers, k]
+        (all hidden layers; dense layers, which route nothing, hold zeros)."""
+        if not self._moe_layers:
+            return
+        steps = out.logits.shape[1]
+        k = self.config.num_experts_per_tok
+        routing = torch.zeros(len(batch), steps, self.config.num_hidden_layers, k, dtype=torch.int32)
+        for layer in self._moe_layers:
+            routing[:, :, layer] = self._routing_step[layer].view(len(batch), steps, k).to(torch.int32)
+        routing = routing.numpy()
+        for i, seq in enumerate(batch):
+            if seq is not None:
+                seq.routing.extend(routing[i, steps - fed[i]:])
+
+
+def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
+    """Samples one token; returns it with its logprob under log_softmax(logits / T)."""
+    if params.temperature == 0.0:
+        logp = torch.log_softmax(logits, dim=-1)
+        token = int(logits.argmax())
+        return token, float(logp[token])
+    scaled = logits / params.temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    probs = logp.exp()
+    if params.top_k > 0:
+        kth = probs.topk(min(params.top_k, probs.numel())).values[-1]
+        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
+    if params.min_p > 0:
+        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(descending=True)
+        keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p * sorted_probs.sum()
+        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
+    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
+    return token, float(logp[token])
+
+
+def _maybe_tokenizer(model_dir: str):
+    from pathlib import Path
+
+    if not any((Path(model_dir) / f).exists() for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_ids(model) -> set[int]:
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        eos = getattr(model.config, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, list) else {int(eos)}
