@@ -189,11 +189,14 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
                               "call /init_weights_update_group first")
         if req.abort_all_requests:
             engine.abort(abort_all=True)
-        dtypes = [dtype_from_name(d) for d in req.dtypes]
-        if req.load_format == "flattened_bucket":
-            tensors = await asyncio.to_thread(receive_bucket, group, dtypes, req.shapes, req.checksum)
-        else:
-            tensors = await asyncio.to_thread(receive_tensors, group, dtypes, req.shapes)
+        try:
+            dtypes = [dtype_from_name(d) for d in req.dtypes]
+            if req.load_format == "flattened_bucket":
+                tensors = await asyncio.to_thread(receive_bucket, group, dtypes, req.shapes, req.checksum)
+            else:
+                tensors = await asyncio.to_thread(receive_tensors, group, dtypes, req.shapes)
+        except ValueError as err:  # unknown dtype, unaligned layout, checksum mismatch
+            raise EngineError(f"weights not loaded: {err}")
         updates.apply(req.names, tensors)
         if req.flush_cache and engine.busy:
             raise EngineError("weights loaded, but the cache flush failed: requests are running")

@@ -62,12 +62,17 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
     raise ValueError(f"backend {backend!r}: expected gloo or nccl")
 
 
+def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    """One blocking broadcast on a standalone process group (sender and receivers alike)."""
+    group.broadcast(tensor, root).wait()
+
+
 def receive_bucket(group, dtypes: list[torch.dtype], shapes: list[list[int]],
                    checksum: str | None) -> list[torch.Tensor]:
     """One broadcast of a flattened bucket from rank 0; returns views into it."""
     offsets, total = bucket_layout(dtypes, shapes)
     buffer = torch.empty(total, dtype=torch.uint8)
-    group.broadcast([buffer], 0).wait()
+    broadcast(group, buffer)
     if checksum is not None and bucket_checksum(buffer) != checksum:
         raise ValueError("bucket checksum mismatch: the received bytes differ from what was sent")
     return [buffer[o : o + _nbytes(d, s)].view(d).view(s) for o, d, s in zip(offsets, dtypes, shapes)]
@@ -78,7 +83,7 @@ def receive_tensors(group, dtypes: list[torch.dtype], shapes: list[list[int]]) -
     tensors = []
     for dtype, shape in zip(dtypes, shapes):
         tensor = torch.empty(shape, dtype=dtype)
-        group.broadcast([tensor], 0).wait()
+        broadcast(group, tensor)
         tensors.append(tensor)
     return tensors
 

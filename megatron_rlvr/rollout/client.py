@@ -1,0 +1,124 @@
+"""One async HTTP client for an SGLang-API engine (real SGLang or the CPU engine), with
+timeouts, retries for transient failures, and a health record the rollout manager reads.
+
+A 4xx is the engine refusing the request: never retried, raised with the engine's message.
+Connection errors, timeouts and 5xx are transient: retried with backoff, then raised as
+EngineUnavailable (the manager moves the work to another engine)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import httpx
+
+from megatron_rlvr.rollout import protocol as p
+
+
+class EngineRequestError(ValueError):
+    """The engine refused the request (HTTP 4xx)."""
+
+
+class EngineUnavailable(ConnectionError):
+    """The engine did not answer after retries."""
+
+
+class EngineClient:
+    def __init__(self, base_url: str, *, timeout_s: float = 120.0, retries: int = 2,
+                 backoff_s: float = 0.2, update_timeout_s: float = 600.0):
+        self.base_url = base_url.rstrip("/")
+        self.retries, self.backoff_s = retries, backoff_s
+        self.timeout_s, self.update_timeout_s = timeout_s, update_timeout_s
+        self._http = httpx.AsyncClient(base_url=self.base_url,
+                                       timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self.healthy = True
+        self.failures = 0
+        self.in_flight = 0
+
+    async def _request(self, method: str, path: str, body: dict | None = None, *,
+                       timeout_s: float | None = None, retries: int | None = None) -> Any:
+        attempts = (self.retries if retries is None else retries) + 1
+        last: Exception | None = None
+        for attempt in range(attempts):
+            try:
+                response = await self._http.request(method, path, json=body,
+                                                     timeout=timeout_s or self.timeout_s)
+            except (httpx.TransportError, httpx.TimeoutException) as err:
+                last = err
+            else:
+                if response.status_code < 400:
+                    self.failures, self.healthy = 0, True
+                    return response.json() if response.content else None
+                if response.status_code < 500:
+                    raise EngineRequestError(f"{self.base_url}{path}: {_message(response)}")
+                last = RuntimeError(f"HTTP {response.status_code}: {_message(response)}")
+            if attempt + 1 < attempts:
+                await asyncio.sleep(self.backoff_s * 2**attempt)
+        self.failures += 1
+        self.healthy = False
+        raise EngineUnavailable(f"{self.base_url}{path}: {last}")
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, request: p.GenerateReqInput) -> list[p.GenerateResponse]:
+        """Always a list (one per prompt × n), whatever shape SGLang answered in."""
+        self.in_flight += 1
+        try:
+            data = await self._request("POST", "/generate", request.model_dump(exclude_none=True),
+                                       retries=0)
+        finally:
+            self.in_flight -= 1
+        rows = data if isinstance(data, list) else [data]
+        return [p.GenerateResponse.model_validate(row) for row in rows]
+
+    async def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        await self._request("POST", "/abort_request", {"rid": rid, "abort_all": abort_all})
+
+    async def pause(self, mode: str = "retract") -> None:
+        await self._request("POST", "/pause_generation", {"mode": mode})
+
+    async def resume(self) -> None:
+        await self._request("POST", "/continue_generation", {})
+
+    async def flush_cache(self) -> None:
+        await self._request("POST", "/flush_cache")
+
+    async def health(self) -> bool:
+        try:
+            await self._request("GET", "/health", timeout_s=5.0, retries=0)
+        except (EngineUnavailable, EngineRequestError):
+            return False
+        return True
+
+    async def model_info(self) -> dict:
+        return await self._request("GET", "/model_info")
+
+    # ------------------------------------------------------------------ weight updates
+    async def init_weights_update_group(self, req: p.InitWeightsUpdateGroupReqInput) -> None:
+        await self._request("POST", "/init_weights_update_group", req.model_dump(),
+                            timeout_s=self.update_timeout_s, retries=0)
+
+    async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
+
+    async def begin_weight_update(self, selector: str = "target") -> None:
+        await self._request("POST", "/begin_weight_update", {"selector": selector})
+
+    async def end_weight_update(self) -> None:
+        await self._request("POST", "/end_weight_update", {})
+
+    async def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedReqInput) -> None:
+        await self._request("POST", "/update_weights_from_distributed", req.model_dump(exclude_none=True),
+                            timeout_s=self.update_timeout_s, retries=0)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+def _message(response: httpx.Response) -> str:
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500] or f"HTTP {response.status_code}"
+    if isinstance(body, dict):
+        return str(body.get("message") or body.get("error", {}).get("message") or body)[:500]
+    return str(body)[:500]

@@ -1,0 +1,108 @@
+"""Starting and stopping engine server processes: the CPU engine, or SGLang on GPU machines.
+Both are HTTP servers on a port; both are waited for through /health and stopped by pid."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from megatron_rlvr.config import CpuEngine, SglangEngine
+
+
+class EngineStartError(RuntimeError):
+    pass
+
+
+@dataclass
+class ServerProcess:
+    command: list[str]
+    host: str
+    port: int
+    log_path: Path
+    proc: subprocess.Popen | None = field(default=None, repr=False)
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, ready_timeout_s: float = 300.0) -> ServerProcess:
+        log = open(self.log_path, "ab")
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                     start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + ready_timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineStartError(f"engine on port {self.port} exited with {self.proc.returncode}; "
+                                       f"log: {self.log_path}\n{_tail(self.log_path)}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        self.stop()
+        raise EngineStartError(f"engine on port {self.port} not healthy after {ready_timeout_s:.0f}s; "
+                               f"log: {self.log_path}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stops the server and anything it started (its own process group)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int,
+                       routed_experts: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "megatron_rlvr.rollout.server", "--model-path", model_dir,
+           "--host", host, "--port", str(port), "--dtype", engine.dtype]
+    return cmd + (["--enable-return-routed-experts"] if routed_experts else [])
+
+
+def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int,
+                   routed_experts: bool) -> list[str]:
+    """`python -m sglang.launch_server` with the run's layout; SGLang is an optional extra."""
+    if importlib.util.find_spec("sglang") is None:
+        raise EngineStartError("rollout.engine.type = sglang needs SGLang: "
+                               'pip install -c constraints.txt -e ".[gpu]" on a GPU machine')
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
+           "--host", host, "--port", str(port), "--tp-size", str(engine.tp),
+           "--ep-size", str(engine.ep), "--mem-fraction-static", str(engine.mem_fraction_static),
+           "--dtype", engine.dtype]
+    if routed_experts:
+        cmd.append("--enable-return-routed-experts")
+    return cmd + list(engine.extra_args)
+
+
+def engine_process(model_dir: str, engine: CpuEngine | SglangEngine, *, host: str, port: int,
+                   routed_experts: bool, log_dir: str | Path) -> ServerProcess:
+    build = cpu_engine_command if isinstance(engine, CpuEngine) else sglang_command
+    log_dir = Path(log_dir)
+    log_dir.mkdir(parents=True, exist_ok=True)
+    return ServerProcess(build(model_dir, engine, host, port, routed_experts), host, port,
+                         log_dir / f"engine-{port}.log")
+
+
+def _tail(path: Path, chars: int = 2000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
