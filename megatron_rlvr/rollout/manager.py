@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import uuid
+from collections import Counter
 from dataclasses import dataclass
 from typing import Awaitable, Callable
 
@@ -46,6 +47,7 @@ class RolloutManager:
         self.max_attempts = max_attempts
         self.restart = restart
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
+        self.stats: Counter[str] = Counter()  # moved (to another engine), failed, aborted
         self._tasks: set[asyncio.Task] = set()
         self._restarts: set[asyncio.Task] = set()
         self._restarting: set[int] = set()
@@ -94,14 +96,17 @@ class RolloutManager:
                 group = self._group(item, group_id, responses, engine)
             except EngineUnavailable as err:
                 error = str(err)
+                self.stats["moved"] += 1
                 log.warning("engine %d failed group %s, moving it: %s", engine, group_id, err)
                 self._schedule_restart(engine)
                 continue
             except (EngineRequestError, RoutedExpertsError) as err:
                 error = str(err)
                 break
+            self.stats["aborted"] += group.aborted
             await self.finished.put(group)
             return
+        self.stats["failed"] += 1
         await self.finished.put(Group(item.prompt_id, group_id, [], item.answer, error=error))
 
     def _group(self, item: PromptItem, group_id: str, responses: list[p.GenerateResponse],
