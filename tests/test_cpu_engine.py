@@ -14,7 +14,8 @@ from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError
 from megatron_rlvr.rollout.routed_experts import decode_routed_experts
-from megatron_rlvr.rollout.weight_receiver import broadcast, bucket_checksum, open_group
+from megatron_rlvr.weight_sync.transport import broadcast, open_group
+from megatron_rlvr.weight_sync.buckets import bucket_checksum
 
 
 @pytest.fixture(scope="module")
@@ -151,8 +152,13 @@ def test_bad_json_and_healthy_after(engine):
     assert httpx.get(f"{engine.url}/model_info").json()["architectures"] == ["Qwen3MoeForCausalLM"]
 
 
-def _update(engine, names, tensors, *, flattened: bool, checksum_ok: bool = True, version="42"):
+def _next_version(engine) -> str:
+    return str(int(httpx.get(f"{engine.url}/model_info").json()["weight_version"]) + 1)
+
+
+def _update(engine, names, tensors, *, flattened: bool, checksum_ok: bool = True, version=None):
     """Plays the learner's part: rank 0 of a fresh update group, one broadcast per bucket."""
+    version = version or _next_version(engine)
     port = free_port()
     group_box = {}
     sender = threading.Thread(target=lambda: group_box.update(g=open_group("127.0.0.1", port, 0, 2, "wg", "gloo")))
@@ -194,9 +200,10 @@ def test_weight_update_over_a_real_gloo_group(engine, tiny_hf_dir, tmp_path, fla
              "model.layers.0.mlp.gate.weight"]
     gen = torch.Generator().manual_seed(3 if flattened else 4)
     new = [weights[n] + 0.3 * torch.randn(weights[n].shape, generator=gen) for n in names]
-    reply = _update(engine, names, new, flattened=flattened)
+    version = _next_version(engine)
+    reply = _update(engine, names, new, flattened=flattened, version=version)
     assert reply.status_code == 200, reply.text
-    assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == "42"
+    assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == version
     # the engine now computes exactly what HF computes with the new weights
     updated = tmp_path / "updated"
     updated.mkdir()
@@ -208,9 +215,9 @@ def test_weight_update_over_a_real_gloo_group(engine, tiny_hf_dir, tmp_path, fla
     logp, _ = hf_teacher_forced(updated, [8, 9, 10], row["output_ids"], 1.0)
     got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
     assert (got - logp).abs().max() <= 1e-5
-    assert row["meta_info"]["weight_version"] == "42"
+    assert row["meta_info"]["weight_version"] == version
     # put the original weights back for the other tests
-    assert _update(engine, names, [weights[n] for n in names], flattened=True, version="0").status_code == 200
+    assert _update(engine, names, [weights[n] for n in names], flattened=True).status_code == 200
 
 
 def test_weight_update_rules(engine, tiny_hf_dir):
@@ -218,12 +225,18 @@ def test_weight_update_rules(engine, tiny_hf_dir):
 
     weights = load_file(str(tiny_hf_dir / "model.safetensors"))
     name = "model.layers.0.self_attn.q_proj.weight"
+    before = httpx.get(f"{engine.url}/model_info").json()["weight_version"]
     bad = _update(engine, [name], [weights[name] * 2], flattened=True, checksum_ok=False)
     assert bad.status_code == 400 and "checksum mismatch" in bad.json()["message"]
+    assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == before  # kept, and why:
+    stale = _update(engine, [name], [weights[name]], flattened=True, version=before)
+    assert stale.status_code == 400 and f"stale weight version {before}" in stale.json()["message"]
     outside = post(engine, "/update_weights_from_distributed", {"names": [name], "dtypes": ["float32"],
                                                                "shapes": [[64, 64]], "group_name": "wg"})
     assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
-    assert _update(engine, [name], [weights[name]], flattened=True, version="0").status_code == 200
+    assert _update(engine, [name], [weights[name]], flattened=True).status_code == 200
+    got = post(engine, "/get_weights_by_name", {"name": name, "truncate_size": 64}).json()
+    assert torch.equal(torch.tensor(got), weights[name])
 
 
 def test_async_client_speaks_the_api(engine):

@@ -130,6 +130,11 @@ class UpdateWeightsFromDistributedReqInput(Strict):
         return self
 
 
+class GetWeightsByNameReqInput(Strict):
+    name: str
+    truncate_size: int = Field(100, ge=1)
+
+
 class PauseGenerationReqInput(Strict):
     mode: Literal["abort", "retract", "in_place"] = "abort"
 

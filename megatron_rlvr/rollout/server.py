@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import threading
 import time
 
 import torch
@@ -21,12 +20,8 @@ from pydantic import BaseModel, ValidationError
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.cpu_engine import CpuEngine, EngineError, Sequence
 from megatron_rlvr.rollout.routed_experts import encode_routed_experts
-from megatron_rlvr.rollout.weight_receiver import (
-    dtype_from_name,
-    open_group,
-    receive_bucket,
-    receive_tensors,
-)
+from megatron_rlvr.rollout.weight_receiver import dtype_from_name, receive_bucket, receive_tensors
+from megatron_rlvr.weight_sync.transport import open_group
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -59,13 +54,20 @@ async def _parse(request: Request, model: type[BaseModel]):
 
 
 class WeightUpdates:
-    """Update groups by name and the begin/end session SGLang 0.5.23 requires."""
+    """Update groups by name and the begin/end session SGLang 0.5.23 requires. A session's
+    version becomes the engine's only when every update in it succeeded: after a corrupted
+    or failed bucket the engine keeps reporting its old version, and /end_weight_update says
+    why."""
 
     def __init__(self, engine: CpuEngine):
         self.engine = engine
         self.groups: dict[str, object] = {}
-        self.in_session = False
-        self.lock = threading.Lock()
+        self.session: dict | None = None  # {"failed": reason | None, "version": str | None}
+
+    def check_version(self, version: str | None) -> None:
+        current = self.engine.weight_version
+        if version is not None and _newer(current, version) is False:
+            raise EngineError(f"stale weight version {version}: this engine holds {current}")
 
     def apply(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         unknown = [n for n in names if n not in self.engine.weights]
@@ -167,44 +169,68 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: Request):
         await _parse(request, p.BeginWeightUpdateReqInput)
-        updates.in_session = True
+        updates.session = {"failed": None, "version": None}
         return {"success": True, "message": "weight update session open"}
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: Request):
         await _parse(request, p.EndWeightUpdateReqInput)
-        if not updates.in_session:
+        session, updates.session = updates.session, None
+        if session is None:
             raise EngineError("no weight update session is open (call /begin_weight_update)")
-        updates.in_session = False
-        return {"success": True, "message": "weight update session closed"}
+        if session["failed"]:
+            raise EngineError(f"weight update failed ({session['failed']}); keeping weight version "
+                              f"{engine.weight_version}")
+        if session["version"] is not None:
+            engine.weight_version = session["version"]
+        return {"success": True, "message": f"weight version {engine.weight_version}"}
+
+    @app.post("/get_weights_by_name")
+    async def get_weights_by_name(request: Request):
+        req = await _parse(request, p.GetWeightsByNameReqInput)
+        if req.name not in engine.weights:
+            raise EngineError(f"unknown weight name {req.name!r}")
+        with engine.model_lock:
+            return engine.weights[req.name][: req.truncate_size].float().tolist()
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: Request):
         req = await _parse(request, p.UpdateWeightsFromDistributedReqInput)
-        if not updates.in_session:
+        if updates.session is None:
             raise EngineError("updates must be inside /begin_weight_update … /end_weight_update")
-        group = updates.groups.get(req.group_name)
-        if group is None:
-            raise EngineError(f"no weight update group named {req.group_name!r}: "
-                              "call /init_weights_update_group first")
-        if req.abort_all_requests:
-            engine.abort(abort_all=True)
         try:
-            dtypes = [dtype_from_name(d) for d in req.dtypes]
-            if req.load_format == "flattened_bucket":
-                tensors = await asyncio.to_thread(receive_bucket, group, dtypes, req.shapes, req.checksum)
-            else:
-                tensors = await asyncio.to_thread(receive_tensors, group, dtypes, req.shapes)
-        except ValueError as err:  # unknown dtype, unaligned layout, checksum mismatch
-            raise EngineError(f"weights not loaded: {err}")
-        updates.apply(req.names, tensors)
-        if req.flush_cache and engine.busy:
-            raise EngineError("weights loaded, but the cache flush failed: requests are running")
-        if req.weight_version is not None:
-            engine.weight_version = req.weight_version
+            await _receive_and_apply(req, updates)
+        except EngineError as err:
+            updates.session["failed"] = str(err)
+            raise
+        updates.session["version"] = req.weight_version or updates.session["version"]
         return {"success": True, "message": f"updated {len(req.names)} tensors"}
 
     return app
+
+
+async def _receive_and_apply(req: p.UpdateWeightsFromDistributedReqInput, updates: WeightUpdates) -> None:
+    """Receives one update (a flattened bucket or per-tensor broadcasts) and loads it."""
+    engine = updates.engine
+    group = updates.groups.get(req.group_name)
+    if group is None:
+        raise EngineError(f"no weight update group named {req.group_name!r}: "
+                          "call /init_weights_update_group first")
+    if req.abort_all_requests:
+        engine.abort(abort_all=True)
+    try:
+        dtypes = [dtype_from_name(d) for d in req.dtypes]
+        if req.load_format == "flattened_bucket":
+            tensors = await asyncio.to_thread(receive_bucket, group, dtypes, req.shapes, req.checksum)
+        else:
+            tensors = await asyncio.to_thread(receive_tensors, group, dtypes, req.shapes)
+    except ValueError as err:  # unknown dtype, unaligned layout, checksum mismatch
+        raise EngineError(f"weights not loaded: {err}")
+    # refusals come only after the broadcast is drained: a sender never blocks on an engine
+    updates.check_version(req.weight_version)
+    updates.apply(req.names, tensors)
+    if req.flush_cache and engine.busy:
+        raise EngineError("weights loaded, but the cache flush failed: requests are running")
 
 
 def _prompts(req: p.GenerateReqInput, engine: CpuEngine) -> list[list[int]]:
@@ -231,6 +257,13 @@ def _response(seq: Sequence, req: p.GenerateReqInput, engine: CpuEngine,
 
         meta.routed_experts = encode_routed_experts(np.stack(seq.routing)[req.routed_experts_start_len:])
     return p.GenerateResponse(text=text, output_ids=seq.output_ids, meta_info=meta)
+
+
+def _newer(current: str, candidate: str) -> bool | None:
+    """Whether candidate is a newer version than current (None when not comparable)."""
+    if current.lstrip("-").isdigit() and candidate.lstrip("-").isdigit():
+        return int(candidate) > int(current)
+    return None
 
 
 def _version_spans(versions: list[str]) -> list[list]:

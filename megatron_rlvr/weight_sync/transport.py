@@ -1,0 +1,32 @@
+"""The update group between the learner's source rank and the engines, as SGLang forms it:
+a NEW process group (not anyone's default world) joined by TCP rendezvous on the learner's
+address, through a store prefixed with the group name. The learner is rank 0 and
+broadcasts; engine ranks start at their rank_offset. The same group can coexist with the
+learner's own torch.distributed world."""
+
+from __future__ import annotations
+
+import datetime
+
+import torch
+import torch.distributed as dist
+
+
+def open_group(master_address: str, master_port: int, rank: int, world_size: int,
+               group_name: str, backend: str, timeout_s: float = 300.0):
+    """A process group of its own (not the default world), joined through a prefixed TCP
+    store: the same group can coexist with a learner's own torch.distributed world."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
+                          timeout=timeout, wait_for_workers=False)
+    prefixed = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
+    if backend == "nccl":
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    raise ValueError(f"backend {backend!r}: expected gloo or nccl")
+
+
+def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
+    """One blocking broadcast on a standalone process group (sender and receivers alike)."""
+    group.broadcast(tensor, root).wait()
