@@ -184,6 +184,70 @@ def replay_errors(learner: Learner) -> dict:
     return errors
 
 
+def sync_scenario(learner: Learner, urls: list[str], corrupt: bool) -> dict:
+    """Train a step, push the weights to the engines, compare every engine tensor bitwise."""
+    import asyncio
+
+    import httpx
+    import torch.distributed as dist
+
+    from megatron_rlvr.rollout.client import EngineClient
+    from megatron_rlvr.weight_sync import syncer as syncer_module
+    from megatron_rlvr.weight_sync.learner_sync import sync_weights
+
+    source = dist.get_rank() == 0
+    loop = asyncio.new_event_loop() if source else None
+    syncer = None
+    if source:
+        syncer = syncer_module.WeightSyncer([EngineClient(u) for u in urls], learner.cfg.weight_sync)
+        loop.run_until_complete(syncer.connect())
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    learner.train_step(with_rl_fields(batch, learner.compute_logprobs(batch)))
+    exported = {name: tensor.clone() for name, tensor in learner.export_hf()}
+    start_version = syncer.version if source else 0
+    result: dict = {"metrics": sync_weights(learner, start_version + 1, syncer=syncer, loop=loop)}
+    if not source:
+        return result
+    mismatched = [name for name, tensor in exported.items() for url in urls
+                  if not torch.equal(torch.tensor(httpx.post(f"{url}/get_weights_by_name", json={
+                      "name": name, "truncate_size": tensor.shape[0]}, timeout=60).json()), tensor)]
+    result.update(checked=len(exported) * len(urls), mismatched=mismatched,
+                  versions=loop.run_until_complete(syncer.engine_versions()))
+    if corrupt:  # world 1 only: the error paths of the next sync
+        result.update(integrity_checks(learner, syncer, syncer_module, loop, urls, start_version + 1))
+    return result
+
+
+def integrity_checks(learner, syncer, syncer_module, loop, urls, version) -> dict:
+    import httpx
+
+    from megatron_rlvr.weight_sync.learner_sync import sync_weights
+
+    out = {}
+    real_broadcast = syncer_module.broadcast
+
+    def flip_a_byte(group, tensor, root=0):
+        corrupted = tensor.clone()
+        corrupted[len(corrupted) // 2] ^= 0xFF
+        real_broadcast(group, corrupted, root)
+
+    syncer_module.broadcast = flip_a_byte
+    try:
+        sync_weights(learner, version + 1, syncer=syncer, loop=loop)
+    except syncer_module.WeightSyncError as err:
+        out["corrupted_error"] = str(err)
+    finally:
+        syncer_module.broadcast = real_broadcast
+    out["version_after_corruption"] = loop.run_until_complete(syncer.engine_versions())
+    out["retry_metrics"] = sync_weights(learner, version + 1, syncer=syncer, loop=loop)
+    httpx.post(f"{urls[0]}/update_weight_version", json={"new_version": str(version + 5)}, timeout=30)
+    try:
+        sync_weights(learner, version + 2, syncer=syncer, loop=loop)
+    except syncer_module.WeightSyncError as err:
+        out["skipped_error"] = str(err)
+    return out
+
+
 def main() -> None:
     scenario, hf_dir, *rest = sys.argv[1:]
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
@@ -197,6 +261,8 @@ def main() -> None:
         result = descent(learner)
     elif scenario == "replay-r2":
         result = replay_r2(learner, hf_dir)
+    elif scenario in ("sync", "sync-integrity"):
+        result = sync_scenario(learner, os.environ["ENGINE_URLS"].split(","), scenario == "sync-integrity")
     elif scenario == "replay-errors":
         result = replay_errors(learner)
     elif scenario in ("replay-r3", "replay-r3-perturbed"):

@@ -46,6 +46,18 @@ class TrainBatch:
         return replace(self, **{f.name: pad(getattr(self, f.name)) for f in fields(self)})
 
 
+def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """Repeats the last row until the batch size is a multiple (padding rows count nothing:
+    their response mask is zero)."""
+    extra = (-batch.size) % multiple
+    if not extra:
+        return batch
+    index = torch.cat([torch.arange(batch.size), torch.full((extra,), batch.size - 1)])
+    padded = batch.select(index)
+    padded.response_mask[batch.size:] = 0
+    return padded
+
+
 def minibatch_indices(batch_size: int, num_minibatches: int, dp_size: int, dp_rank: int) -> list[torch.Tensor]:
     """Sample indices of this data-parallel rank for each mini-batch: mini-batch k is the k-th
     contiguous slice of the batch, split contiguously over DP ranks. The old-logprob pass and

@@ -21,10 +21,11 @@ from megatron_rlvr.learner.batch import TrainBatch
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logits [B, T, V/tp] (vocab-sharded) → logprob of each target token [B, T]; column 0
-    (no prediction for the first token) is 0."""
+    (no prediction for the first token) is 0. Temperature 0 (greedy sampling) means the raw
+    distribution, as engines report it."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    shifted = logits[:, :-1].float() / temperature
+    shifted = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
     ce = vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
     return F.pad(-ce, (1, 0))
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.learner import model as model_lib
-from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices
+from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices, pad_rows
 from megatron_rlvr.learner.forward import (
     forward_logprobs,
     reduce_metrics,
@@ -104,13 +104,13 @@ class Learner:
         return [c.module for c in self.chunks]
 
     # ------------------------------------------------------------------ layout helpers
-    def _local_batches(self, batch: TrainBatch) -> tuple[list[torch.Tensor], list[TrainBatch]]:
+    def _local_batches(self, batch: TrainBatch, num_minibatches: int) -> tuple[list[torch.Tensor], list[TrainBatch]]:
         """This DP rank's sample indices per mini-batch, and those mini-batches, padded for
         sequence parallel."""
         from megatron.core import parallel_state as mpu
 
         batch = batch.padded_to(self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1)
-        index = minibatch_indices(batch.size, self.cfg.algo.num_minibatches,
+        index = minibatch_indices(batch.size, num_minibatches,
                                   mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
         return index, [batch.select(i) for i in index]
 
@@ -143,19 +143,25 @@ class Learner:
             raise ValueError(f"batch.routed_experts shaped {tuple(batch.routed_experts.shape)}, "
                              f"expected [batch, tokens, layers, top_k] = {list(expected)}")
 
-    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+    def compute_logprobs(self, batch: TrainBatch, *, old_logprob_pass: bool = True) -> torch.Tensor:
         """Per-token logprobs [B, T] of the batch under the current weights, on every rank.
-        This is the old-logprob pass: under R2 it records the routing, under R3 it replays the
-        engine's."""
+        The old-logprob pass (default) partitions the batch like the train step and, under R2,
+        records the routing, under R3 replays the engine's. Otherwise (e.g. the parity probe)
+        the routing is the model's own and the batch may have any size."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
             chunk.eval()
-        index, local = self._local_batches(batch)
+        rows = batch.size
+        num_minibatches = self.cfg.algo.num_minibatches
+        if not old_logprob_pass:
+            num_minibatches = 1
+            batch = pad_rows(batch, mpu.get_data_parallel_world_size())
+        index, local = self._local_batches(batch, num_minibatches)
         micro = [mb for mini in local for mb in micro_batches(mini, self.cfg.trainer.micro_batch_size)]
-        hooks = self._routing_hooks(batch, "old_logprobs")
+        hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else None
         ours = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
-        if self.replay is not None:
+        if self.replay is not None and old_logprob_pass:
             self.replay.clear()
             self.replay.stop_measuring()
             if self.cfg.algo.routing_replay == "r3":
@@ -170,16 +176,15 @@ class Learner:
         dist.all_gather(gathered, ours, group=mpu.get_data_parallel_group())
         full = torch.zeros(batch.size, width)
         for rank, part in enumerate(gathered):
-            rows = torch.cat(minibatch_indices(batch.size, self.cfg.algo.num_minibatches, dp, rank))
-            full[rows] = part
-        return full[:, : batch.input_ids.shape[1]]
+            full[torch.cat(minibatch_indices(batch.size, num_minibatches, dp, rank))] = part
+        return full[:rows, : batch.input_ids.shape[1]]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """num_minibatches optimizer steps over the batch (needs advantages and
         old_logprobs). Returns metrics averaged over mini-batches, plus the last grad norm."""
         for chunk in self.chunks:
             chunk.train()
-        _, local = self._local_batches(batch)
+        _, local = self._local_batches(batch, self.cfg.algo.num_minibatches)
         per_mini = self.cfg.algo.num_minibatches
         full_minis = [batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
                       for k in range(per_mini)]

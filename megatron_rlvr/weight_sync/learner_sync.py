@@ -1,0 +1,47 @@
+"""A weight sync as the learner's ranks run it. Every rank takes part in the export (TP/EP/PP
+gathers are collective) and in the probe's forward; only the source rank (global rank 0)
+talks to the engines, on the event loop it owns."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch.distributed as dist
+
+from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, probe_batch
+from megatron_rlvr.weight_sync.syncer import WeightSyncer
+
+PROBE_PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]  # fixed token ids: any model has them
+
+
+def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
+                 loop: asyncio.AbstractEventLoop | None = None, probe_tokens: int = 8) -> dict:
+    """Pushes the learner's weights to the engines as `version`, then runs the parity probe
+    when weight_sync.parity_tolerance is set. Collective over the learner's ranks; the source
+    rank passes its syncer and event loop. Returns metrics on the source rank."""
+    if syncer is None:
+        for _ in learner.export_hf():
+            pass
+    else:
+        report = loop.run_until_complete(syncer.sync(learner.export_hf(), version))
+    tolerance = learner.cfg.weight_sync.parity_tolerance
+    if tolerance is None:
+        return {} if syncer is None else _report_metrics(report)
+    box = [None]
+    if syncer is not None:
+        responses = loop.run_until_complete(engine_samples(
+            syncer.clients, PROBE_PROMPT, max_new_tokens=probe_tokens,
+            temperature=learner.cfg.rollout.temperature))
+        box = [(responses, probe_batch(PROBE_PROMPT, responses))]
+    dist.broadcast_object_list(box, src=0)
+    responses, batch = box[0]
+    logprobs = learner.compute_logprobs(batch, old_logprob_pass=False)
+    if syncer is None:
+        return {}
+    gaps = check_parity(syncer.clients, PROBE_PROMPT, responses, logprobs, tolerance)
+    return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values())}
+
+
+def _report_metrics(report) -> dict:
+    return {"weight_sync/seconds": report.seconds, "weight_sync/bytes": report.bytes,
+            "weight_sync/buckets": report.buckets, "weight_sync/version": report.version}

@@ -1,0 +1,145 @@
+"""The learner's source rank pushes new weights to every engine.
+
+One sync: check every engine holds the previous version (an engine that skipped or repeated
+an update is caught here) → pause generation (retract by default) → open the update session
+→ for each flattened dtype bucket: announce it to every engine through
+/update_weights_from_distributed, then ONE broadcast, while the next bucket is already being
+exported and packed (memory: two buckets) → close the session → resume → check every engine
+now reports the new version. Any engine error stops the sync with the engine named.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from typing import Iterable, Iterator
+
+import torch
+
+from megatron_rlvr.config import WeightSyncConfig
+from megatron_rlvr.learner.parallel import free_port
+from megatron_rlvr.rollout import protocol as p
+from megatron_rlvr.rollout.client import EngineClient
+from megatron_rlvr.weight_sync.buckets import Bucket, buckets
+from megatron_rlvr.weight_sync.transport import broadcast, open_group
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
+
+@dataclass
+class SyncReport:
+    version: int
+    buckets: int
+    tensors: int
+    bytes: int
+    seconds: float
+
+
+class WeightSyncer:
+    def __init__(self, clients: list[EngineClient], cfg: WeightSyncConfig, *,
+                 master_address: str = "127.0.0.1", engine_ranks: list[int] | None = None,
+                 group_name: str = "weight_update_group", initial_version: int | None = None):
+        self.clients = clients
+        self.cfg = cfg
+        self.master_address = master_address
+        self.engine_ranks = engine_ranks or [1] * len(clients)  # tp size of each engine
+        self.group_name = group_name
+        self.version = initial_version
+        self.group = None
+
+    async def connect(self) -> None:
+        """Forms the update group: this process is rank 0, engine e's ranks start at
+        1 + Σ ranks of the engines before it (SGLang's rank_offset)."""
+        world = 1 + sum(self.engine_ranks)
+        port = free_port(self.master_address)
+        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.clients))]
+        backend = "nccl" if self.cfg.backend == "nccl" else "gloo"
+        opening = asyncio.to_thread(open_group, self.master_address, port, 0, world,
+                                    self.group_name, backend)
+        joins = [c.init_weights_update_group(p.InitWeightsUpdateGroupReqInput(
+                     master_address=self.master_address, master_port=port, rank_offset=offset,
+                     world_size=world, group_name=self.group_name, backend=backend))
+                 for c, offset in zip(self.clients, offsets)]
+        self.group, *_ = await asyncio.gather(opening, *joins)
+        if self.version is None:  # adopt the engines' version; they must agree
+            versions = set(await self.engine_versions())
+            if len(versions) != 1 or not next(iter(versions)).lstrip("-").isdigit():
+                raise WeightSyncError(f"engines report weight versions {sorted(versions)}: "
+                                      "they must start from one numeric version")
+            self.version = int(versions.pop())
+
+    async def engine_versions(self) -> list[str]:
+        return [info["weight_version"] for info in
+                await asyncio.gather(*(c.model_info() for c in self.clients))]
+
+    async def _check_versions(self, expected: int | None, when: str) -> None:
+        if expected is None:
+            return
+        for client, version in zip(self.clients, await self.engine_versions()):
+            if version != str(expected):
+                raise WeightSyncError(
+                    f"engine {client.base_url} holds weight version {version} {when}, expected "
+                    f"{expected}: it skipped or repeated an update"
+                )
+
+    async def sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+        """Pushes the (HF name, tensor) stream to every engine as `version`."""
+        if self.group is None:
+            raise WeightSyncError("connect() first")
+        if self.version is not None and version <= self.version:
+            raise WeightSyncError(f"version {version} is not newer than the last sync ({self.version})")
+        await self._check_versions(self.version, "before the sync")
+        start = time.perf_counter()
+        await self._all("pause", lambda c: c.pause(self.cfg.pause_mode))
+        try:
+            await self._all("begin_weight_update", lambda c: c.begin_weight_update())
+            report = await self._send(named, version)
+            await self._all("end_weight_update", lambda c: c.end_weight_update())
+        finally:
+            await self._all("continue_generation", lambda c: c.resume())
+        await self._check_versions(version, "after the sync")
+        self.version = version
+        report.seconds = time.perf_counter() - start
+        return report
+
+    async def _send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
+        stream: Iterator[Bucket] = buckets(named, int(self.cfg.bucket_mb * 2**20))
+        report = SyncReport(version, 0, 0, 0, 0.0)
+        current = await asyncio.to_thread(next, stream, None)
+        while current is not None:
+            upcoming = asyncio.create_task(asyncio.to_thread(next, stream, None))  # double buffer
+            request = p.UpdateWeightsFromDistributedReqInput(
+                names=current.names, dtypes=[current.dtype_name] * len(current.names),
+                shapes=current.shapes, group_name=self.group_name, weight_version=str(version),
+                load_format="flattened_bucket", flush_cache=False,
+                checksum=current.checksum() if self.cfg.checksum else None,
+            )
+            announced = [asyncio.create_task(c.update_weights_from_distributed(request))
+                         for c in self.clients]
+            await asyncio.to_thread(broadcast, self.group, current.buffer)
+            results = await asyncio.gather(*announced, return_exceptions=True)
+            failed = [(c, r) for c, r in zip(self.clients, results) if isinstance(r, Exception)]
+            if failed:
+                upcoming.cancel()
+                client, err = failed[0]
+                raise WeightSyncError(f"engine {client.base_url} rejected bucket {report.buckets} "
+                                      f"({len(current.names)} tensors, first {current.names[0]}): {err}")
+            report.buckets += 1
+            report.tensors += len(current.names)
+            report.bytes += current.nbytes
+            current = await upcoming
+        return report
+
+    async def _all(self, what: str, call) -> None:
+        results = await asyncio.gather(*(call(c) for c in self.clients), return_exceptions=True)
+        for client, result in zip(self.clients, results):
+            if isinstance(result, Exception):
+                raise WeightSyncError(f"engine {client.base_url}: {what} failed: {result}")
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
+                             return_exceptions=True)
+        self.group = None
