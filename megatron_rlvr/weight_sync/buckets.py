@@ -79,7 +79,9 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterat
         dtype, size = tensor.dtype, tensor.numel() * tensor.element_size()
         if open_.get(dtype) and sizes[dtype] + size > max_bytes:
             yield pack(open_.pop(dtype))
-        open_.setdefault(dtype, []).append((name, tensor.detach().cpu()))
-        sizes[dtype] = sum(t.numel() * t.element_size() for _, t in open_[dtype])
+        if dtype not in open_:
+            open_[dtype], sizes[dtype] = [], 0
+        open_[dtype].append((name, tensor.detach().cpu()))
+        sizes[dtype] += size
     for group in open_.values():
         yield pack(group)
