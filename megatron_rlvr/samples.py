@@ -18,7 +18,7 @@ class Sample:
     rollout_logprobs: list[float]  # one per response token
     finish_reason: str  # "length" | "stop" | "abort"
     weight_version: str  # of the last generated token
-    weight_versions: list[list] = field(default_factory=list)  # [[version, first, end), ...]
+    weight_versions: list[dict] = field(default_factory=list)  # [{"version", "start", "end"}, ...]
     routed_experts: np.ndarray | None = None  # [prompt+response − 1, layers, top_k], compact
     reward: float | None = None
     engine: str = ""

@@ -1,7 +1,6 @@
 """The Megatron-Core learner in real gloo worlds of 1 and 2 processes on tiny Qwen3-MoE models
 built here: parity with HF transformers and with world size 1, export, checkpoints, descent."""
 
-import json
 
 import pytest
 import torch

@@ -86,7 +86,8 @@ def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int,
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
            "--host", host, "--port", str(port), "--tp-size", str(engine.tp),
            "--ep-size", str(engine.ep), "--mem-fraction-static", str(engine.mem_fraction_static),
-           "--dtype", engine.dtype]
+           "--dtype", engine.dtype,
+           "--weight-version", "0"]  # SGLang starts at "default"; syncs count from 0
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
     return cmd + list(engine.extra_args)

@@ -75,13 +75,13 @@ class MetaInfo(BaseModel):
     cached_tokens: int = 0
     output_token_logprobs: list[list[Any]] | None = None  # [[logprob, token_id, text|None], ...]
     weight_version: str
-    weight_versions: list[list[Any]] | None = None  # [[version, first, last_exclusive], ...]
+    weight_versions: list[dict[str, Any]] | None = None  # [{"version", "start", "end"}, ...]
     e2e_latency: float
     routed_experts: str | None = None  # base64 int32 [seq_len - 1 - start, layers, top_k]
 
 
 class GenerateResponse(BaseModel):
-    text: str
+    text: str = ""  # absent when the server runs with --skip-tokenizer-init
     output_ids: list[int]
     meta_info: MetaInfo
 

@@ -266,13 +266,14 @@ def _newer(current: str, candidate: str) -> bool | None:
     return None
 
 
-def _version_spans(versions: list[str]) -> list[list]:
-    spans: list[list] = []
+def _version_spans(versions: list[str]) -> list[dict]:
+    """SGLang's weight_versions: which output token span each weight version produced."""
+    spans: list[dict] = []
     for i, version in enumerate(versions):
-        if spans and spans[-1][0] == version:
-            spans[-1][2] = i + 1
+        if spans and spans[-1]["version"] == version:
+            spans[-1]["end"] = i + 1
         else:
-            spans.append([version, i, i + 1])
+            spans.append({"version": version, "start": i, "end": i + 1})
     return spans
 
 

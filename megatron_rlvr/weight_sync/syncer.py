@@ -41,13 +41,17 @@ class SyncReport:
 class WeightSyncer:
     def __init__(self, clients: list[EngineClient], cfg: WeightSyncConfig, *,
                  master_address: str = "127.0.0.1", engine_ranks: list[int] | None = None,
-                 group_name: str = "weight_update_group", initial_version: int | None = None):
+                 group_name: str = "weight_update_group", initial_version: int | None = None,
+                 checksums: bool | None = None):
+        """checksums: send per-bucket checksums (a CPU-engine extension SGLang refuses as an
+        unknown field); None: weight_sync.checksum."""
         self.clients = clients
         self.cfg = cfg
         self.master_address = master_address
         self.engine_ranks = engine_ranks or [1] * len(clients)  # tp size of each engine
         self.group_name = group_name
         self.version = initial_version
+        self.checksums = cfg.checksum if checksums is None else checksums
         self.group = None
 
     async def connect(self) -> None:
@@ -115,7 +119,7 @@ class WeightSyncer:
                 names=current.names, dtypes=[current.dtype_name] * len(current.names),
                 shapes=current.shapes, group_name=self.group_name, weight_version=str(version),
                 load_format="flattened_bucket", flush_cache=False,
-                checksum=current.checksum() if self.cfg.checksum else None,
+                checksum=current.checksum() if self.checksums else None,
             )
             announced = [asyncio.create_task(c.update_weights_from_distributed(request))
                          for c in self.clients]

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Creates .venv-sglang: a venv of its own (never the project's .venv) holding a REAL
+# SGLang 0.5.23 that serves on CPU, for the engine-client conformance tests
+# (tests/sglang_cpu/launch.sh starts the server; `pytest -m sglang` runs tests/test_engine_api.py
+# against it).
+#
+# `pip install sglang` would pin a CUDA torch 2.14.1 and ~200 packages, so instead:
+#   1. torch==2.13.0 first (the local CPU wheel in pip's find-links), held by constraints.txt;
+#   2. every other package from tests/sglang_cpu/requirements.txt, all pinned, with --no-deps
+#      (sglang 0.5.23 itself included): exactly that list, nothing resolved from sglang's metadata;
+#   3. a .pth file in the venv's site-packages that puts tests/sglang_cpu/standins on sys.path
+#      (import-only `torchvision`, pure-torch `sgl_kernel`) and imports
+#      sglang_cpu_sitecustomize (plain host allocation instead of cudaHostRegister for the
+#      routed-experts buffer). See the header of each of those files for what and why.
+# Nothing outside .venv-sglang is written. Idempotent: a second run only checks (seconds).
+# About 2.5 GB on disk, ~1-2 min on a fresh machine with a warm pip cache.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+root="$(pwd)"
+venv=.venv-sglang
+req=tests/sglang_cpu/requirements.txt
+standins="$root/tests/sglang_cpu/standins"
+PYTHON="${PYTHON:-python3.11}"
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+
+if [ ! -x "$venv/bin/python" ]; then
+    "$PYTHON" -m venv "$venv"
+fi
+# Keep git quiet about the venv whatever the repository's .gitignore says.
+[ -f "$venv/.gitignore" ] || echo '*' > "$venv/.gitignore"
+
+py="$venv/bin/python"
+site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# 3. (cheap, so always) the stand-ins and the start-up patch, for every python of this venv.
+printf '%s\nimport sglang_cpu_sitecustomize\n' "$standins" > "$site/sglang_cpu_standins.pth"
+
+stamp="$venv/.sglang-cpu-installed"
+want="$(cat "$req" constraints.txt scripts/setup_sglang_cpu.sh | sha256sum | cut -d' ' -f1)"
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
+    exit 0
+fi
+PIP=("$py" -m pip install --disable-pip-version-check -q)
+# 1. the CPU build of torch, from the local wheel
+"${PIP[@]}" "torch==2.13.0"
+# 2. the pinned closure, without dependency resolution
+"${PIP[@]}" -c constraints.txt --no-deps -r "$req"
+# Sanity: the server's import graph loads and the patch is in place.
+check='
+import torch, sglang, sgl_kernel, torchvision
+import sglang.srt.mem_cache.pool_host.common as host
+import sglang.srt.managers.scheduler, sglang.srt.entrypoints.http_server
+assert torch.__version__.startswith("2.13.0") and not torch.cuda.is_available(), torch.__version__
+assert sglang.__version__ == "0.5.23", sglang.__version__
+assert host.ALLOC_MEMORY_FUNCS["cpu"].__module__ == "sglang_cpu_sitecustomize"
+assert "standin" in sgl_kernel.__version__ and "standin" in torchvision.__version__
+'
+if ! out="$(SGLANG_USE_CPU_ENGINE=1 "$py" -c "$check" 2>&1)"; then
+    echo "$out" >&2
+    echo "setup_sglang_cpu.sh: the sglang import check failed (output above)" >&2
+    exit 1
+fi
+echo "$want" > "$stamp"
+echo "ready: $venv (sglang 0.5.23 on torch $("$py" -c 'import torch; print(torch.__version__)')); start a server with tests/sglang_cpu/launch.sh MODEL_DIR PORT"

@@ -1,0 +1,7 @@
+"""torchvision.transforms.v2 stand-in (see torchvision/__init__.py)."""
+
+from ..._standin import InterpolationMode, module_getattr  # noqa: F401
+
+__getattr__ = module_getattr(__name__)
+
+from . import functional  # noqa: E402,F401
