@@ -30,7 +30,7 @@ from megatron_rlvr.rollout.weight_receiver import receive_bucket, receive_tensor
 from megatron_rlvr.weight_sync.buckets import buckets
 from megatron_rlvr.weight_sync.transport import broadcast, open_group
 
-BUCKET_MB = (64, 128, 256, 512, 1024)
+BUCKET_MB = (16, 32, 64, 128, 256, 512, 1024)
 
 
 def moe_parameters(layers: int = 16, experts: int = 32, hidden: int = 512, ffn: int = 160) -> list[tuple[str, torch.Tensor]]:
