@@ -1,0 +1,1 @@
+"""The rollout buffer: useful groups in, exact-size batches out."""
