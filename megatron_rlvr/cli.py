@@ -45,9 +45,10 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
-    print("megatron-rlvr train: the RL loop lands with the RL-loop capability; "
-          "use --dry-run to check a config", file=sys.stderr)
-    return 2
+    from megatron_rlvr import trainer  # heavy: Megatron, transformers
+
+    trainer.train(cfg)
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:

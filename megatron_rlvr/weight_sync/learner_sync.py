@@ -11,7 +11,7 @@ import torch.distributed as dist
 from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, probe_batch
 from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
-PROBE_PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]  # fixed token ids: any model has them
+PROBE_TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]  # a fixed prompt, folded into the model's vocabulary
 
 
 def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
@@ -28,17 +28,19 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     if tolerance is None:
         return {} if syncer is None else _report_metrics(report)
     box = [None]
+    vocab = learner.bridge.hf_config.vocab_size
+    prompt = [t % vocab for t in PROBE_TOKENS]
     if syncer is not None:
         responses = loop.run_until_complete(engine_samples(
-            syncer.clients, PROBE_PROMPT, max_new_tokens=probe_tokens,
+            syncer.clients, prompt, max_new_tokens=probe_tokens,
             temperature=learner.cfg.rollout.temperature))
-        box = [(responses, probe_batch(PROBE_PROMPT, responses))]
+        box = [(responses, probe_batch(prompt, responses))]
     dist.broadcast_object_list(box, src=0)
     responses, batch = box[0]
     logprobs = learner.compute_logprobs(batch, old_logprob_pass=False)
     if syncer is None:
         return {}
-    gaps = check_parity(syncer.clients, PROBE_PROMPT, responses, logprobs, tolerance)
+    gaps = check_parity(syncer.clients, prompt, responses, logprobs, tolerance)
     return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values())}
 
 
