@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -60,10 +59,6 @@ class Run:
             return None
         hf = self.learner.bridge.hf_config
         return hf.num_hidden_layers, hf.num_experts_per_tok
-
-    def log_metrics(self, metrics: dict) -> None:
-        with open(Path(self.cfg.trainer.output_dir) / "metrics.jsonl", "a") as f:
-            f.write(json.dumps(metrics) + "\n")
 
 
 def _start_engines(cfg: Config, model_dir: Path) -> list:

@@ -5,13 +5,13 @@ probe) → metrics → checkpoint."""
 from __future__ import annotations
 
 import statistics
-import sys
 import time
 from pathlib import Path
 
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import Config
 from megatron_rlvr.learner.checkpoint import save_checkpoint
+from megatron_rlvr.reporting import RunReport
 from megatron_rlvr.run import Run, local_run
 from megatron_rlvr.weight_sync.learner_sync import sync_weights
 
@@ -19,6 +19,7 @@ from megatron_rlvr.weight_sync.learner_sync import sync_weights
 def train(cfg: Config) -> list[dict]:
     history: list[dict] = []
     with local_run(cfg) as run:
+        report = RunReport(cfg.trainer.output_dir, cfg.trainer.steps, tensorboard=cfg.logging.tensorboard)
         for step in range(1, cfg.trainer.steps + 1):
             started = time.perf_counter()
             groups = run.loop.run_until_complete(run.sampler.fill(cfg.buffer.batch_groups, run.version))
@@ -29,22 +30,23 @@ def train(cfg: Config) -> list[dict]:
             run.version += 1
             sync_metrics = sync_weights(run.learner, run.version, syncer=run.syncer, loop=run.loop)
             metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started)
-            run.log_metrics(metrics)
+            report.log(metrics)
             history.append(metrics)
-            report(metrics, cfg.trainer.steps)
             if cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0:
                 save_checkpoint(run.learner, Path(cfg.trainer.output_dir) / "checkpoint")
         save_checkpoint(run.learner, Path(cfg.trainer.output_dir) / "checkpoint")
+        report.close()
     return history
 
 
 def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float) -> dict:
-    rewards = run.sampler.take_rewards()
+    rewards, tokens = run.sampler.take_rewards()
     buffer = run.buffer.stats()
     return {
         "step": step,
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
         "reward/samples": len(rewards),
+        "rollout/tokens": tokens,
         "buffer/kept_groups": buffer["kept"],
         "buffer/dropped_zero_std": buffer["dropped_zero_std"],
         **{f"buffer/{k}": v for k, v in buffer.items() if k not in ("kept", "dropped_zero_std")},
@@ -54,9 +56,3 @@ def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float)
         **{f"train/{k}": v for k, v in learner.items()},
         **sync,
     }
-
-
-def report(metrics: dict, steps: int) -> None:
-    print(f"step {metrics['step']}/{steps}  reward {metrics['reward/mean']:.3f}  "
-          f"loss {metrics['train/policy_loss']:+.4f}  kept {metrics['buffer/kept_groups']}  "
-          f"{metrics['time/step_s']:.1f}s", file=sys.stderr, flush=True)

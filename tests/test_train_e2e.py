@@ -33,7 +33,9 @@ def test_a_short_run_trains_syncs_and_logs(replay, tmp_path):
         assert m["train/grad_norm"] > 0 and m["buffer/used"] == 4 * m["step"]
         if replay == "r3":
             assert 0.0 < m["train/routing_agreement_engine"] <= 1.0
-    assert "step 3/3" in done.stderr
+    assert "3/3" in done.stderr and "reward=" in done.stderr  # the progress bar
+    assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert (tmp_path / "checkpoint" / "metadata.json").exists()
     assert (tmp_path / "model" / "tokenizer.json").exists()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing left running

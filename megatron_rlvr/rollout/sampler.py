@@ -26,6 +26,7 @@ class ActiveSampler:
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
+        self.tokens = 0  # response tokens generated since then
 
     def useful_fraction(self) -> float:
         """Kept / generated so far, smoothed so a cold start neither stalls nor floods."""
@@ -51,6 +52,7 @@ class ActiveSampler:
         for sample, (reward, _) in zip(group.samples, verdicts):
             sample.reward = reward
             self.rewards.append(reward)
+            self.tokens += len(sample.response_ids)
 
     async def fill(self, batch_groups: int, policy_version: int) -> list[Group]:
         """Exactly batch_groups useful groups for training `policy_version`."""
@@ -62,6 +64,7 @@ class ActiveSampler:
             await self.buffer.put(group)
         return await self.buffer.get_batch(batch_groups, policy_version)
 
-    def take_rewards(self) -> list[float]:
-        rewards, self.rewards = self.rewards, []
-        return rewards
+    def take_rewards(self) -> tuple[list[float], int]:
+        """Rewards and response tokens since the last call."""
+        rewards, tokens, self.rewards, self.tokens = self.rewards, self.tokens, [], 0
+        return rewards, tokens
