@@ -46,8 +46,16 @@ def _train(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
+    from megatron_rlvr.rollout.launcher import EngineStartError
 
-    trainer.train(cfg)
+    try:
+        trainer.train(cfg)
+    except (NotImplementedError, EngineStartError, FileNotFoundError) as err:
+        print(f"megatron-rlvr train: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("megatron-rlvr train: interrupted; every component was stopped", file=sys.stderr)
+        return 130
     return 0
 
 

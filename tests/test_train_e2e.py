@@ -39,3 +39,11 @@ def test_a_short_run_trains_syncs_and_logs(replay, tmp_path):
     assert (tmp_path / "checkpoint" / "metadata.json").exists()
     assert (tmp_path / "model" / "tokenizer.json").exists()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing left running
+
+
+def test_a_layout_local_mode_cannot_run_is_one_line_not_a_traceback(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+                           f"trainer.output_dir={tmp_path}", "parallel.ep=2"], capture_output=True, text=True,
+                          timeout=300, cwd=REPO)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "local runs train with one learner rank" in done.stderr.strip().splitlines()[-1]
