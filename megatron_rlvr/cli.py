@@ -45,9 +45,15 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
+    import signal
+
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
     from megatron_rlvr.rollout.launcher import EngineStartError
 
+    def stop(signum, frame):  # SIGTERM (scancel, kill) shuts down like Ctrl-C: nothing orphaned
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
     try:
         trainer.train(cfg)
     except (NotImplementedError, EngineStartError, FileNotFoundError) as err:

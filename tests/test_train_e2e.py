@@ -47,3 +47,25 @@ def test_a_layout_local_mode_cannot_run_is_one_line_not_a_traceback(tmp_path):
                           timeout=300, cwd=REPO)
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "local runs train with one learner rank" in done.stderr.strip().splitlines()[-1]
+
+
+def test_sigterm_mid_run_stops_every_engine(tmp_path):
+    import os
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+               f"trainer.output_dir={tmp_path}", "trainer.steps=500"]
+    log = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    deadline = time.monotonic() + 300
+    while not (tmp_path / "metrics.jsonl").exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())]
+    assert engines
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(120) == 130
+    log.close()
+    assert "interrupted; every component was stopped" in (tmp_path / "stderr.log").read_text()
+    gone, alive = psutil.wait_procs(engines, timeout=30)
+    assert not alive

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import math
 import random
+from collections import deque
 from typing import Callable
 
 from megatron_rlvr.buffer.buffer import Buffer
@@ -25,13 +26,14 @@ class ActiveSampler:
         self.max_in_flight = max_in_flight
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
+        self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
         self.tokens = 0  # response tokens generated since then
 
     def useful_fraction(self) -> float:
-        """Kept / generated so far, smoothed so a cold start neither stalls nor floods."""
-        counts = self.buffer.counts
-        return (counts["kept"] + 1) / (counts["generated"] + 2)
+        """Kept / generated over the latest groups (the policy changes, so the fraction does),
+        smoothed so a cold start neither stalls nor floods."""
+        return (sum(self._recent) + 1) / (len(self._recent) + 2)
 
     def _next_prompt(self) -> PromptRecord:
         if not self._order:
@@ -61,7 +63,7 @@ class ActiveSampler:
             group = await self.manager.next_group()
             if group.samples and group.error is None:
                 await self._score(group)
-            await self.buffer.put(group)
+            self._recent.append(await self.buffer.put(group) == "kept")
         return await self.buffer.get_batch(batch_groups, policy_version)
 
     def take_rewards(self) -> tuple[list[float], int]:
