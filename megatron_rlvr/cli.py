@@ -49,6 +49,7 @@ def _train(args: argparse.Namespace) -> int:
 
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
     from megatron_rlvr.rollout.launcher import EngineStartError
+    from megatron_rlvr.run import RunError
 
     def stop(signum, frame):  # SIGTERM (scancel, kill) shuts down like Ctrl-C: nothing orphaned
         raise KeyboardInterrupt
@@ -56,7 +57,7 @@ def _train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         trainer.train(cfg)
-    except (NotImplementedError, EngineStartError, FileNotFoundError) as err:
+    except (RunError, EngineStartError, FileNotFoundError) as err:
         print(f"megatron-rlvr train: {err}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

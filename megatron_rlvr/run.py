@@ -20,6 +20,10 @@ from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
 log = logging.getLogger(__name__)
 
 
+class RunError(RuntimeError):
+    """A run this mode cannot start, said in one line."""
+
+
 def prepare_model(cfg: Config) -> tuple[Path, object]:
     """(HF model dir, tokenizer). The tiny default is created once under output_dir/model:
     a character tokenizer for the task and a random Qwen3-MoE sized to it."""
@@ -103,7 +107,7 @@ def local_run(cfg: Config):
     from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
     if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp != 1:
-        raise NotImplementedError("local runs train with one learner rank; multi-rank layouts run under Ray")
+        raise RunError("local runs train with one learner rank; multi-rank layouts run under Ray")
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
     run = Run(cfg, model_dir, tokenizer, asyncio.new_event_loop())

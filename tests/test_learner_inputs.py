@@ -10,6 +10,13 @@ from megatron_rlvr.learner.model import UnsupportedArchitecture, read_hf_config
 from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
 
 
+def test_the_config_accepts_exactly_the_architectures_the_learner_builds():
+    from megatron_rlvr.config import SUPPORTED_MODEL_TYPES
+    from megatron_rlvr.learner.model import ARCHITECTURES
+
+    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHITECTURES)
+
+
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     with pytest.raises(UnsupportedArchitecture, match=r"'llama' .* not supported \(supported: qwen3_moe\)"):

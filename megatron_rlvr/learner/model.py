@@ -26,7 +26,6 @@ class Architecture:
     """How to build one HF `model_type` in Megatron-Core."""
 
     bridge_class: str  # "module:Class" of the mbridge bridge
-    hf_rope_theta_in_parameters: bool = True  # transformers 5 moved rope_theta
 
 
 ARCHITECTURES: dict[str, Architecture] = {
