@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from megatron_rlvr.algo.losses import policy_loss
 from megatron_rlvr.config import AlgoConfig
 from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.learner.parallel import device as rank_device
 
 
 def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
@@ -29,9 +30,6 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     ce = vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
     return F.pad(-ce, (1, 0))
 
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 class MicroBatchHooks(Protocol):
@@ -47,7 +45,7 @@ def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: boo
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq_length = micro[0].input_ids.shape[1]
-    device = _device()
+    device = rank_device()
 
     def forward_step(data_iterator, model):
         index, mb = next(data_iterator)

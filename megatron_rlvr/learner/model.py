@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron_rlvr.learner.parallel import device as rank_device
 
 
 @dataclass(frozen=True)
@@ -257,7 +258,7 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
             if name in local_params:
                 tensor = local_params[name].detach()
             else:
-                tensor = torch.empty(shape, dtype=dtype, device=_device())
+                tensor = torch.empty(shape, dtype=dtype, device=rank_device())
             tensor.tensor_model_parallel, tensor.partition_dim = tensor_parallel, partition_dim
             if pp_size > 1:
                 dist.broadcast(tensor, src=stage_ranks[stage], group=pp_group)
@@ -265,9 +266,6 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
                 continue  # HF ties lm_head to the embedding
             yield from _gather_to_hf(name, tensor, bridge)
 
-
-def _device() -> torch.device:
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

@@ -14,6 +14,13 @@ import torch.distributed as dist
 from megatron_rlvr.config import ParallelConfig
 
 
+def device() -> torch.device:
+    """This rank's device: its CUDA device, or the CPU."""
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now on host, for a local rendezvous."""
     with socket.socket() as s:
