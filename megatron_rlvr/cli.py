@@ -45,9 +45,14 @@ def _train(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
+    import logging
     import signal
 
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("megatron_rlvr").setLevel(cfg.logging.level)  # ours; libraries stay quiet
+
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
+    from megatron_rlvr.launch.cluster import ClusterError
     from megatron_rlvr.rollout.launcher import EngineStartError
     from megatron_rlvr.run import RunError
 
@@ -57,8 +62,9 @@ def _train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         trainer.train(cfg)
-    except (RunError, EngineStartError, FileNotFoundError) as err:
-        print(f"megatron-rlvr train: {err}", file=sys.stderr)
+    except (RunError, ClusterError, EngineStartError, FileNotFoundError) as err:
+        cause = getattr(err, "cause", None) or err  # raised inside a Ray actor: the original
+        print(f"megatron-rlvr train: {cause}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("megatron-rlvr train: interrupted; every component was stopped", file=sys.stderr)

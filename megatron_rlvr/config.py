@@ -235,6 +235,10 @@ class RolloutConfig(Section):
         None, description="capture the engine's routing; None: on exactly for r3"
     )
     request_timeout_s: float = Field(120.0, gt=0.0)
+    seeded_sampling: bool | None = Field(
+        None, description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
+        "None: on for the CPU engine (which derives one per sample), off for SGLang",
+    )
 
 
 # ----------------------------------------------------------------------------- buffer
@@ -309,6 +313,10 @@ class LoggingConfig(Section):
 
 
 class LaunchConfig(Section):
+    mode: Literal["ray", "local"] = Field(
+        "ray", description="ray: learner ranks, engines, buffer and verifiers as Ray actors; "
+        "local: one learner rank in this process, no Ray (debugging)",
+    )
     ray_address: str | None = Field(None, description="None: start a local Ray")
     num_cpus: PositiveInt | None = Field(None, description="local Ray CPUs; None: all")
     object_store_mb: PositiveInt = Field(512, description="local Ray object store size")
@@ -386,6 +394,11 @@ def _cross_field_problems(cfg: Config, dims: ModelDims) -> list[str]:
             f"rollout.n_samples_per_prompt = {samples} samples must split evenly into "
             f"num_minibatches · parallel.dp = {per_step} parts"
         )
+    if cfg.launch.mode == "local" and p.tp * p.pp * p.dp != 1:
+        problems.append(
+            f"launch.mode = local: runs one learner rank, but tp·pp·dp = {p.tp}·{p.pp}·{p.dp} "
+            "(use launch.mode = ray for multi-rank layouts)"
+        )
     if cfg.trainer.min_lr > cfg.trainer.lr:
         problems.append(
             f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})"
@@ -414,6 +427,8 @@ def resolve(cfg: Config) -> Config:
         cfg.parallel.sequence_parallel = cfg.parallel.tp > 1
     if cfg.rollout.return_routed_experts is None:
         cfg.rollout.return_routed_experts = cfg.algo.routing_replay == "r3"
+    if cfg.rollout.seeded_sampling is None:
+        cfg.rollout.seeded_sampling = isinstance(cfg.rollout.engine, CpuEngine)
     if cfg.weight_sync.backend == "auto":
         cfg.weight_sync.backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
     _raise(_cross_field_problems(cfg, model_dims(cfg.model)))

@@ -12,18 +12,23 @@ CURVES = (("reward/mean", "mean reward"), ("train/policy_loss", "policy loss"))
 
 
 class RunReport:
-    def __init__(self, output_dir: str | Path, total_steps: int, *, tensorboard: bool = True):
+    def __init__(self, output_dir: str | Path, total_steps: int, *, first_step: int = 1,
+                 tensorboard: bool = True):
+        """first_step > 1 continues a resumed run: lines of later steps (logged after the
+        checkpoint it resumes from) are dropped, so every step appears once."""
         from tqdm import tqdm
 
         self.dir = Path(output_dir)
         self.metrics_path = self.dir / "metrics.jsonl"
+        kept = [line for line in _lines(self.metrics_path) if json.loads(line)["step"] < first_step]
+        self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
-        self.bar = tqdm(total=total_steps, unit="step", file=sys.stderr, dynamic_ncols=True,
-                        desc="train", mininterval=0)
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=first_step)
+        self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", file=sys.stderr,
+                        dynamic_ncols=True, desc="train", mininterval=0)
 
     def log(self, metrics: dict) -> None:
         with open(self.metrics_path, "a") as f:
@@ -46,9 +51,7 @@ class RunReport:
 
 def plot_curves(metrics_path: Path, out: Path) -> Path | None:
     """Reward and loss against step, from metrics.jsonl; None when there is nothing to plot."""
-    if not metrics_path.exists():
-        return None
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in _lines(metrics_path)]
     if not rows:
         return None
     import matplotlib
@@ -67,3 +70,7 @@ def plot_curves(metrics_path: Path, out: Path) -> Path | None:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
+
+
+def _lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

@@ -1,15 +1,19 @@
 """Everything a training run needs, started in dependency order and always torn down: the
-model (made locally on first run for the tiny default), engine servers, the learner, the
-rollout manager and weight syncer on one event loop, the buffer and the verifier.
+model (made locally on first run for the tiny default), engine servers, the learner ranks,
+the buffer, the verifier pool, and the rollout manager with active sampling on an event
+loop of its own thread, so that generation can go on while the learner trains.
 
-Local mode: one learner rank in this process and the engines as child processes. Learner
-layouts with more ranks run under Ray (the orchestration capability)."""
+launch.mode = ray (default): learner ranks, engines, the buffer and the verifiers are Ray
+actors on a local Ray or an existing cluster. launch.mode = local: one learner rank in this
+process, engines as child processes, no Ray."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
+import pickle
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,10 +22,11 @@ from megatron_rlvr.config import Config, HFModel, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
 
 log = logging.getLogger(__name__)
+RUN_STATE = "run_state.pkl"  # beside the learner's checkpoint: rollout side of a resume
 
 
 class RunError(RuntimeError):
-    """A run this mode cannot start, said in one line."""
+    """A run that cannot start or resume, said in one line."""
 
 
 def prepare_model(cfg: Config) -> tuple[Path, object]:
@@ -41,119 +46,166 @@ def prepare_model(cfg: Config) -> tuple[Path, object]:
     return model_dir, AutoTokenizer.from_pretrained(model_dir)
 
 
+class LoopThread:
+    """An event loop running in its own thread; the training thread hands it coroutines."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, name="rollout", daemon=True)
+        self.thread.start()
+
+    def submit(self, coro) -> concurrent.futures.Future:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop)
+
+    def run(self, coro):
+        return self.submit(coro).result()
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=30)
+        self.loop.close()
+
+
 @dataclass
 class Run:
     cfg: Config
     model_dir: Path
     tokenizer: object
-    loop: asyncio.AbstractEventLoop
-    learner: object = None
-    engines: list = field(default_factory=list)
+    rollout: LoopThread = field(default_factory=LoopThread)
+    engines: object = None
+    learners: object = None
     clients: list = field(default_factory=list)
     manager: object = None
-    syncer: object = None
     buffer: object = None
+    verifiers: object = None
     sampler: object = None
-    verifier: object = None
     version: int = 0
 
     @property
     def routing_shape(self) -> tuple[int, int] | None:
         if not self.cfg.rollout.return_routed_experts:
             return None
-        hf = self.learner.bridge.hf_config
+        from megatron_rlvr.learner.model import read_hf_config
+
+        hf = read_hf_config(self.model_dir)
         return hf.num_hidden_layers, hf.num_experts_per_tok
 
+    def request_batch(self, policy_version: int) -> concurrent.futures.Future:
+        """The next batch of useful groups, generated on the rollout thread. Synchronous runs
+        drain what is in flight, so no group straddles a weight update."""
+        fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version,
+                                 drain=not self.cfg.buffer.async_rollout)
+        return self.rollout.submit(fill)
 
-def _start_engines(cfg: Config, model_dir: Path) -> list:
-    from megatron_rlvr.learner.parallel import free_port
-    from megatron_rlvr.rollout.launcher import engine_process
+    def save(self, step: int) -> None:
+        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
+        self.learners.save(path)
 
-    log_dir = Path(cfg.trainer.output_dir) / "logs"
-    engines = [engine_process(str(model_dir), cfg.rollout.engine, host=cfg.rollout.host, port=free_port(),
-                              routed_experts=bool(cfg.rollout.return_routed_experts), log_dir=log_dir)
-               for _ in range(cfg.rollout.num_engines)]
-    errors: list[Exception] = []
+        async def rollout_state() -> dict:
+            return {"step": step, "version": self.version, "sampler": self.sampler.state(),
+                    "buffer": await self.buffer.state(), "manager": dict(self.manager.stats)}
 
-    def start(engine) -> None:
-        try:
-            engine.start()
-        except Exception as err:  # reported below, after every start attempt finished
-            errors.append(err)
+        (path / RUN_STATE).write_bytes(pickle.dumps(self.rollout.run(rollout_state())))
 
-    threads = [threading.Thread(target=start, args=(e,)) for e in engines]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        for engine in engines:
-            engine.stop()
-        raise errors[0]
-    return engines
+    def resume(self) -> int:
+        """Restores the last checkpoint, if there is one, and pushes its weights to the
+        engines; returns the step it was taken after (0: none)."""
+        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
+        if not (path / RUN_STATE).exists():
+            return 0
+        state = pickle.loads((path / RUN_STATE).read_bytes())
+        step = self.learners.load(path)
+        if step != state["step"]:
+            raise RunError(f"checkpoint {path} is incomplete: learner at step {step}, rollout state "
+                           f"at step {state['step']} (delete it or set trainer.resume=false)")
+
+        async def restore() -> None:
+            self.sampler.load_state(state["sampler"])
+            await self.buffer.load_state(state["buffer"])
+            self.manager.stats.update(state["manager"])
+
+        self.rollout.run(restore())
+        self.version = state["version"]
+        self.learners.sync_weights(self.version)
+        log.info("resumed from %s at step %d (policy version %d)", path, step, self.version)
+        return step
 
 
 @contextlib.contextmanager
-def local_run(cfg: Config):
+def open_run(cfg: Config):
     """Starts every component; stops every one of them on exit, error or Ctrl-C."""
+    from megatron_rlvr.launch.cluster import ray_session
+
+    remote = cfg.launch.mode == "ray"
+    Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
+    model_dir, tokenizer = prepare_model(cfg)
+    with ray_session(cfg) if remote else contextlib.nullcontext():
+        run = Run(cfg, model_dir, tokenizer)
+        try:
+            _start(run, remote)
+            yield run
+        finally:
+            _teardown(run)
+
+
+def _start(run: Run, remote: bool) -> None:
     from megatron_rlvr.buffer.buffer import Buffer
-    from megatron_rlvr.learner.learner import Learner
-    from megatron_rlvr.learner.parallel import Rendezvous, destroy_parallel, free_port, init_parallel
-    from megatron_rlvr.rewards.math import MathVerifier
+    from megatron_rlvr.launch.cluster import AsyncActor
+    from megatron_rlvr.launch.engines import EngineFleet
+    from megatron_rlvr.launch.learners import LearnerGroup
+    from megatron_rlvr.launch.verifiers import VerifierPool
+    from megatron_rlvr.learner.model import read_hf_config
     from megatron_rlvr.rollout import protocol as p
     from megatron_rlvr.rollout.client import EngineClient
     from megatron_rlvr.rollout.manager import RolloutManager, RoutingShape
     from megatron_rlvr.rollout.sampler import ActiveSampler
-    from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
-    if cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp != 1:
-        raise RunError("local runs train with one learner rank; multi-rank layouts run under Ray")
-    Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
-    model_dir, tokenizer = prepare_model(cfg)
-    run = Run(cfg, model_dir, tokenizer, asyncio.new_event_loop())
-    try:
-        run.engines = _start_engines(cfg, model_dir)
-        init_parallel(cfg.parallel, Rendezvous(0, 1, master_port=free_port()), seed=cfg.trainer.seed)
-        run.learner = Learner(cfg, model_dir)
-        run.clients = [EngineClient(e.url, timeout_s=cfg.rollout.request_timeout_s) for e in run.engines]
-        eos = tokenizer.eos_token_id
-        sampling = p.SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                    top_p=cfg.rollout.top_p, n=cfg.rollout.n_samples_per_prompt,
-                                    stop_token_ids=[eos] if eos is not None else None)
-        shape = run.routing_shape
-        hf = run.learner.bridge.hf_config
-        run.manager = RolloutManager(run.clients, sampling,
-                                     routing=RoutingShape(*shape, hf.num_experts) if shape else None)
-        run.syncer = WeightSyncer(run.clients, cfg.weight_sync, master_address="127.0.0.1",
-                                  checksums=cfg.weight_sync.checksum and cfg.rollout.engine.type == "cpu")
-        run.loop.run_until_complete(run.syncer.connect())
-        run.version = run.syncer.version
-        run.buffer = Buffer(zero_std_eps=cfg.buffer.zero_std_eps, max_staleness=cfg.buffer.max_staleness)
-        run.verifier = MathVerifier(timeout_s=cfg.verifier.timeout_s, num_workers=cfg.verifier.num_workers)
-        data = load_data(cfg.data)
-        for number, reason in data.skipped:
-            log.warning("data line %d skipped: %s", number, reason)
-        bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
-        run.sampler = ActiveSampler(
-            run.manager, run.buffer, data.records, verifier=run.verifier, seed=cfg.trainer.seed,
-            encode=lambda text: bos + tokenizer.encode(text, add_special_tokens=False),
-            decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
-        yield run
-    finally:
-        _teardown(run, destroy_parallel)
+    cfg, tokenizer = run.cfg, run.tokenizer
+    run.engines = EngineFleet(cfg, run.model_dir, remote=remote)
+    urls = run.engines.start()
+    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, remote=remote)
+    run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
+    eos = tokenizer.eos_token_id
+    sampling = p.SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
+                                top_p=cfg.rollout.top_p, n=cfg.rollout.n_samples_per_prompt,
+                                stop_token_ids=[eos] if eos is not None else None)
+    shape = run.routing_shape
+    num_experts = read_hf_config(run.model_dir).num_experts
+    run.manager = RolloutManager(run.clients, sampling,
+                                 routing=RoutingShape(*shape, num_experts) if shape else None)
+    buffer_args = {"zero_std_eps": cfg.buffer.zero_std_eps, "max_staleness": cfg.buffer.max_staleness}
+    if remote:
+        import ray
+
+        run.buffer = AsyncActor(ray.remote(Buffer).options(num_cpus=0.01).remote(**buffer_args))
+    else:
+        run.buffer = Buffer(**buffer_args)
+    run.verifiers = VerifierPool(cfg, remote=remote)
+    data = load_data(cfg.data)
+    for number, reason in data.skipped:
+        log.warning("data line %d skipped: %s", number, reason)
+    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    run.sampler = ActiveSampler(
+        run.manager, run.buffer, data.records, score=run.verifiers, seed=cfg.trainer.seed,
+        seeded=bool(cfg.rollout.seeded_sampling),
+        encode=lambda text: bos + tokenizer.encode(text, add_special_tokens=False),
+        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def _teardown(run: Run, destroy_parallel) -> None:
+def _teardown(run: Run) -> None:
+    """Every step is attempted, whatever failed before it."""
     if run.manager is not None:
         with contextlib.suppress(Exception):
-            run.loop.run_until_complete(run.manager.abort_all())
+            run.rollout.submit(run.manager.abort_all()).result(timeout=30)
     for client in run.clients:
         with contextlib.suppress(Exception):
-            run.loop.run_until_complete(client.close())
-    for engine in run.engines:
-        engine.stop()
-    if run.verifier is not None:
-        run.verifier.close()
-    if run.learner is not None:
-        destroy_parallel()
-    run.loop.close()
+            run.rollout.submit(client.close()).result(timeout=10)
+    run.rollout.close()
+    if run.learners is not None:
+        with contextlib.suppress(Exception):
+            run.learners.close()
+    if run.verifiers is not None:
+        with contextlib.suppress(Exception):
+            run.verifiers.close()
+    if run.engines is not None:
+        run.engines.stop()

@@ -34,7 +34,7 @@ def test_filters_zero_gradient_and_broken_groups_with_a_count_for_each():
             make_group([1.0]),                                       # a group of one
         ]]
         assert verdicts == ["kept", "zero_std", "zero_std", "zero_std", "failed", "aborted", "unscored", "too_small"]
-        stats = buffer.stats()
+        stats = await buffer.stats()
         assert stats["generated"] == 8 and stats["kept"] == 1 and stats["dropped_zero_std"] == 3
         assert stats["dropped_failed"] == stats["dropped_aborted"] == stats["dropped_unscored"] == stats["dropped_too_small"] == 1
 
@@ -58,9 +58,9 @@ def test_get_batch_returns_exactly_n_and_keeps_the_rest_for_later():
             await buffer.put(make_group([1, 0], prompt=f"p{i}"))
         first = await buffer.get_batch(3, policy_version=0)
         assert [g.prompt_id for g in first] == ["p0", "p1", "p2"]  # oldest first
-        assert buffer.stats()["waiting"] == 2
+        assert (await buffer.stats())["waiting"] == 2
         second = await buffer.get_batch(2, policy_version=1)  # one version later: still fresh
-        assert [g.prompt_id for g in second] == ["p3", "p4"] and buffer.stats()["used"] == 5
+        assert [g.prompt_id for g in second] == ["p3", "p4"] and (await buffer.stats())["used"] == 5
 
     run(go())
 
@@ -90,7 +90,7 @@ def test_groups_older_than_the_staleness_bound_are_dropped_and_counted():
         await buffer.put(make_group([1, 0], prompt="mixed", spans=[{"version": "3", "start": 0, "end": 5},
                                                                    {"version": "5", "start": 5, "end": 9}]))
         batch = await buffer.get_batch(1, policy_version=5)
-        assert [g.prompt_id for g in batch] == ["new"] and buffer.stats()["dropped_stale"] == 2
+        assert [g.prompt_id for g in batch] == ["new"] and (await buffer.stats())["dropped_stale"] == 2
 
     run(go())
 

@@ -68,26 +68,37 @@ class Buffer:
         self.counts["dropped_stale"] += len(self._ready) - len(fresh)
         self._ready = fresh
 
-    def useful(self, policy_version: int) -> int:
-        """How many kept groups a batch for this policy version could use now."""
+    def _useful(self, policy_version: int) -> int:
         self._drop_stale(policy_version)
         return len(self._ready)
+
+    async def useful(self, policy_version: int) -> int:
+        """How many kept groups a batch for this policy version could use now."""
+        return self._useful(policy_version)
 
     async def get_batch(self, n: int, policy_version: int, timeout_s: float | None = None) -> list[Group]:
         """Exactly n useful groups, oldest first, waiting for them if needed. Groups too stale
         for `policy_version` are dropped on the way and counted."""
         async def enough() -> None:
             async with self._changed:
-                await self._changed.wait_for(lambda: self.useful(policy_version) >= n)
+                await self._changed.wait_for(lambda: self._useful(policy_version) >= n)
 
         await asyncio.wait_for(enough(), timeout_s)
         batch = [self._ready.popleft() for _ in range(n)]
         self.counts["used"] += n
         return batch
 
-    def stats(self) -> dict[str, int]:
+    async def stats(self) -> dict[str, int]:
         """Counters for the step's metrics: generated, kept, used, dropped_<reason>, waiting."""
         out = {key: self.counts[key] for key in ("generated", "kept", "used")}
         out.update({f"dropped_{reason}": self.counts[f"dropped_{reason}"] for reason in DROP_REASONS})
         out["waiting"] = len(self._ready)
         return out
+
+    async def state(self) -> dict:
+        """The groups waiting and the counters, for a checkpoint."""
+        return {"ready": list(self._ready), "counts": dict(self.counts)}
+
+    async def load_state(self, state: dict) -> None:
+        self._ready = deque(state["ready"])
+        self.counts = Counter(state["counts"])

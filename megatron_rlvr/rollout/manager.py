@@ -33,6 +33,7 @@ class PromptItem:
     prompt_id: str
     input_ids: list[int]
     answer: str | None = None
+    seed: int | None = None  # sampling seed of the group (the engine derives one per sample)
 
 
 class RolloutManager:
@@ -81,7 +82,7 @@ class RolloutManager:
     async def _run_group(self, item: PromptItem, group_id: str, n: int) -> None:
         request = p.GenerateReqInput(
             input_ids=item.input_ids, rid=group_id, return_logprob=True,
-            sampling_params=self.sampling.model_copy(update={"n": n}),
+            sampling_params=self.sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
             return_routed_experts=self.routing is not None,
         )
         tried: set[int] = set()

@@ -1,6 +1,12 @@
 """Active sampling: keep enough prompt groups in flight to fill the next batch, adapting to
-the fraction of groups that turn out useful, score each group as soon as it finishes, and
-file it in the buffer. Surplus useful groups stay in the buffer for the next step."""
+the fraction of groups that turn out useful, score each group as it finishes, and file it in
+the buffer. Surplus useful groups stay in the buffer for the next step.
+
+Groups are filed in the order they were submitted, whatever order the engines finish them
+in, and every group carries a sampling seed derived from the run's seed and its submission
+number. With `drain` (synchronous training) nothing is left in flight between steps, so the
+groups a step trains on depend only on the seed and the weights: a resumed run sees the
+same rollouts as an uninterrupted one."""
 
 from __future__ import annotations
 
@@ -8,25 +14,29 @@ import asyncio
 import math
 import random
 from collections import deque
-from typing import Callable
+from typing import Awaitable, Callable
 
-from megatron_rlvr.buffer.buffer import Buffer
 from megatron_rlvr.data import PromptRecord
-from megatron_rlvr.rewards.math import MathVerifier
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.samples import Group
 
+Score = Callable[[list[str], list[str]], Awaitable[list[float]]]  # responses, golds → rewards
+
 
 class ActiveSampler:
-    def __init__(self, manager: RolloutManager, buffer: Buffer, prompts: list[PromptRecord], *,
+    def __init__(self, manager: RolloutManager, buffer, prompts: list[PromptRecord], *,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 verifier: MathVerifier, seed: int = 0, max_in_flight: int = 256):
-        self.manager, self.buffer, self.verifier = manager, buffer, verifier
+                 score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256):
+        """buffer: a Buffer, or a proxy with the same async methods (the Ray actor)."""
+        self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
-        self.max_in_flight = max_in_flight
+        self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
+        self._pending: deque[str] = deque()  # group ids in flight, in submission order
+        self._finished: dict[str, Group] = {}  # finished ahead of their turn
+        self.submitted = 0
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
         self.tokens = 0  # response tokens generated since then
 
@@ -43,30 +53,55 @@ class ActiveSampler:
 
     def _top_up(self, needed: int) -> None:
         target = min(self.max_in_flight, math.ceil(needed / self.useful_fraction()))
-        while self.manager.in_flight < target:
+        while len(self._pending) < target:
             record = self._next_prompt()
-            self.manager.submit(PromptItem(record.prompt_id, self.encode(record.prompt), record.answer))
+            seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
+            self._pending.append(self.manager.submit(
+                PromptItem(record.prompt_id, self.encode(record.prompt), record.answer, seed=seed)))
+            self.submitted += 1
 
-    async def _score(self, group: Group) -> None:
-        responses = [self.decode(s.response_ids) for s in group.samples]
-        verdicts = await asyncio.to_thread(self.verifier.verify_batch, responses,
-                                           [group.answer or ""] * len(responses))
-        for sample, (reward, _) in zip(group.samples, verdicts):
-            sample.reward = reward
-            self.rewards.append(reward)
-            self.tokens += len(sample.response_ids)
-
-    async def fill(self, batch_groups: int, policy_version: int) -> list[Group]:
-        """Exactly batch_groups useful groups for training `policy_version`."""
-        while self.buffer.useful(policy_version) < batch_groups:
-            self._top_up(batch_groups - self.buffer.useful(policy_version))
+    async def _next_in_order(self) -> Group:
+        head = self._pending[0]
+        while head not in self._finished:
             group = await self.manager.next_group()
-            if group.samples and group.error is None:
-                await self._score(group)
-            self._recent.append(await self.buffer.put(group) == "kept")
+            self._finished[group.group_id] = group
+        self._pending.popleft()
+        return self._finished.pop(head)
+
+    async def _file(self, group: Group) -> None:
+        if group.samples and group.error is None:
+            rewards = await self.score([self.decode(s.response_ids) for s in group.samples],
+                                       [group.answer or ""] * len(group.samples))
+            for sample, reward in zip(group.samples, rewards):
+                sample.reward = reward
+                self.tokens += len(sample.response_ids)
+            self.rewards.extend(rewards)
+        self._recent.append(await self.buffer.put(group) == "kept")
+
+    async def fill(self, batch_groups: int, policy_version: int, *, drain: bool = False) -> list[Group]:
+        """Exactly batch_groups useful groups for training `policy_version`. drain: also wait
+        for every group still in flight (they go to the buffer), so none straddles a step."""
+        while (useful := await self.buffer.useful(policy_version)) < batch_groups:
+            self._top_up(batch_groups - useful)
+            await self._file(await self._next_in_order())
+        while drain and self._pending:
+            await self._file(await self._next_in_order())
         return await self.buffer.get_batch(batch_groups, policy_version)
 
     def take_rewards(self) -> tuple[list[float], int]:
         """Rewards and response tokens since the last call."""
         rewards, tokens, self.rewards, self.tokens = self.rewards, self.tokens, [], 0
         return rewards, tokens
+
+    def state(self) -> dict:
+        """What a resumed run needs to submit the same groups next. Exact between drained
+        steps; groups in flight (async runs) are not part of it and get regenerated."""
+        return {"rng": self._rng.getstate(), "order": [r.prompt_id for r in self._order],
+                "recent": list(self._recent), "submitted": self.submitted}
+
+    def load_state(self, state: dict) -> None:
+        by_id = {r.prompt_id: r for r in self.prompts}
+        self._rng.setstate(state["rng"])
+        self._order = [by_id[i] for i in state["order"]]
+        self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
+        self.submitted = state["submitted"]

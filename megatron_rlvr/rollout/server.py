@@ -10,6 +10,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
+import threading
 import time
 
 import torch
@@ -277,6 +279,19 @@ def _version_spans(versions: list[str]) -> list[dict]:
     return spans
 
 
+def _exit_with_parent(poll_s: float = 1.0) -> None:
+    """The server runs in its own session (so it can be stopped as a group); if whoever
+    started it dies without stopping it, it must not outlive them as an orphan."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True, name="parent-watch").start()
+
+
 def main(argv: list[str] | None = None) -> None:
     import uvicorn
 
@@ -290,6 +305,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--weight-version", default="0")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    _exit_with_parent()
     engine = CpuEngine(args.model_path, dtype=args.dtype, max_batch=args.max_running_requests,
                        weight_version=args.weight_version)
     app = create_app(engine, return_routed_experts=args.enable_return_routed_experts)

@@ -1,0 +1,97 @@
+"""Ray for a run: a local Ray started with explicit CPUs and object-store size (the default),
+or an existing cluster's address (Slurm jobs). Also the small pieces every Ray caller here
+needs: where a process runs, a fail-fast gather, and an async proxy for actor handles."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+
+from megatron_rlvr.config import Config
+
+log = logging.getLogger(__name__)
+
+
+class ClusterError(RuntimeError):
+    """The cluster cannot hold the run, said in one line before anything starts."""
+
+
+def node_ip() -> str:
+    """The address other nodes reach this process at (loopback outside Ray)."""
+    import ray
+
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
+
+
+@contextlib.contextmanager
+def ray_session(cfg: Config):
+    import ray
+
+    # Token auth follows leftovers in ~/.ray unless the mode is explicit (see notes).
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    os.environ.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
+    launch = cfg.launch
+    on_sigterm = signal.getsignal(signal.SIGTERM)
+    if launch.ray_address:
+        ray.init(address=launch.ray_address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=launch.num_cpus or os.cpu_count(), num_gpus=None,
+                 object_store_memory=launch.object_store_mb * 2**20, include_dashboard=False,
+                 log_to_driver=False)
+    if callable(on_sigterm):  # Ray's crash handler took SIGTERM over: the run's own shutdown comes first
+        signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        check_fits(cfg, ray.cluster_resources())
+        yield
+    finally:
+        ray.shutdown()
+
+
+def resources_needed(cfg: Config) -> dict[str, float]:
+    """GPUs the learner ranks and SGLang engines occupy; CPU runs need no whole cores."""
+    p = cfg.parallel
+    world = p.tp * p.pp * (p.dp or 1)
+    if p.device == "cpu" and cfg.rollout.engine.type == "cpu":
+        return {}
+    engine_gpus = cfg.rollout.num_engines * getattr(cfg.rollout.engine, "tp", 0)
+    return {"GPU": float((world if p.device == "cuda" else 0) + engine_gpus)}
+
+
+def check_fits(cfg: Config, available: dict[str, float]) -> None:
+    for name, amount in resources_needed(cfg).items():
+        if available.get(name, 0.0) < amount:
+            p = cfg.parallel
+            raise ClusterError(
+                f"the run needs {amount:g} {name}s (learner tp·pp·dp = {p.tp}·{p.pp}·{p.dp} on "
+                f"{p.device}, {cfg.rollout.num_engines} {cfg.rollout.engine.type} engines) but the "
+                f"Ray cluster has {available.get(name, 0.0):g}")
+
+
+def gather(refs: list) -> list:
+    """ray.get that raises the first failure at once, instead of waiting on ranks that are
+    blocked in a collective with the rank that died."""
+    import ray
+
+    pending = list(refs)
+    while pending:
+        done, pending = ray.wait(pending, num_returns=1)
+        ray.get(done)
+    return ray.get(refs)
+
+
+class AsyncActor:
+    """Awaitable method calls on a Ray actor, so an actor and a local object with async
+    methods are interchangeable (the buffer, the verifier)."""
+
+    def __init__(self, handle):
+        self._handle = handle
+
+    def __getattr__(self, name: str):
+        method = getattr(self._handle, name)
+
+        async def call(*args, **kwargs):
+            return await method.remote(*args, **kwargs)
+
+        return call

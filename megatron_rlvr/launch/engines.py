@@ -1,0 +1,99 @@
+"""Rollout engine servers, each owned by an EngineHost that starts, restarts and stops it
+where the host lives: in this process (local runs) or in a Ray actor on some node, so the
+server runs on that node and dies with its owner."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.launch.cluster import gather, node_ip
+
+
+class EngineHost:
+    def __init__(self, cfg: Config, model_dir: str, log_dir: str):
+        self.cfg, self.model_dir, self.log_dir = cfg, model_dir, log_dir
+        self.server = None
+
+    def start(self) -> str:
+        """Starts the server on a free port; returns the URL the rollout manager uses."""
+        from megatron_rlvr.learner.parallel import free_port
+        from megatron_rlvr.rollout.launcher import engine_process
+
+        rollout = self.cfg.rollout
+        bind = rollout.host
+        self.server = engine_process(self.model_dir, rollout.engine, host=bind,
+                                     port=free_port("" if bind == "0.0.0.0" else bind),
+                                     routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir)
+        self.server.start()
+        host = node_ip() if bind == "0.0.0.0" else bind
+        return f"http://{host}:{self.server.port}"
+
+    def restart(self) -> None:
+        """Same port, fresh process: it comes back with the initial weights (version 0)."""
+        self.server.stop()
+        self.server.start()
+
+    def pid(self) -> int | None:
+        return self.server.proc.pid if self.server and self.server.proc else None
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+class EngineFleet:
+    """All engines of a run; start() brings them up in parallel and stops all if one fails."""
+
+    def __init__(self, cfg: Config, model_dir: Path, *, remote: bool):
+        log_dir = str(Path(cfg.trainer.output_dir) / "logs")
+        self.remote = remote
+        if remote:
+            import ray
+
+            engine = cfg.rollout.engine
+            options = {"num_gpus": engine.tp} if engine.type == "sglang" else {"num_cpus": 0.01}
+            actor = ray.remote(EngineHost).options(**options)
+            self.hosts = [actor.remote(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
+        else:
+            self.hosts = [EngineHost(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
+        self.urls: list[str] = []
+
+    def _call(self, index: int, method: str):
+        host = self.hosts[index]
+        return gather([getattr(host, method).remote()])[0] if self.remote else getattr(host, method)()
+
+    def start(self) -> list[str]:
+        urls: list = [None] * len(self.hosts)
+        errors: list[BaseException] = []
+
+        def start_one(i: int) -> None:
+            try:
+                urls[i] = self._call(i, "start")
+            except BaseException as err:  # reported below, after every start attempt finished
+                errors.append(err)
+
+        threads = [threading.Thread(target=start_one, args=(i,)) for i in range(len(self.hosts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            self.stop()
+            raise errors[0]
+        self.urls = urls
+        return urls
+
+    def restart(self, index: int) -> None:
+        self._call(index, "restart")
+
+    def pid(self, index: int) -> int | None:
+        return self._call(index, "pid")
+
+    def stop(self) -> None:
+        for index in range(len(self.hosts)):
+            try:
+                self._call(index, "stop")
+            except Exception:  # a host that is gone took its server with it
+                pass

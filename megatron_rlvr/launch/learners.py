@@ -1,0 +1,157 @@
+"""The learner's ranks as one object the RL loop calls. Each rank is a LearnerRank: in this
+process for a one-rank local run, or one Ray actor per rank (the actors form the
+torch.distributed world among themselves). Global rank 0 also owns the weight syncer, since
+it is the source of every broadcast to the engines."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import torch
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.launch.cluster import gather, node_ip
+from megatron_rlvr.learner.batch import TrainBatch
+
+
+class LearnerRank:
+    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int):
+        self.cfg, self.model_dir = cfg, model_dir
+        self.rank, self.world_size = rank, world_size
+        self.learner = self.syncer = None
+        self.clients: list = []
+        self.joined = False
+        self.loop = asyncio.new_event_loop()
+        if cfg.parallel.device == "cpu":  # ranks of one node share its cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+    def rendezvous_address(self) -> tuple[str, int]:
+        """Where the other ranks meet this one (asked of rank 0)."""
+        from megatron_rlvr.learner.parallel import free_port
+
+        host = node_ip()
+        return host, free_port(host)
+
+    def setup(self, master: tuple[str, int], engine_urls: list[str]) -> int | None:
+        """Joins the world, builds this rank's model shard; rank 0 joins the engines' weight
+        update group and returns the weight version they hold."""
+        from megatron_rlvr.learner.learner import Learner
+        from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
+        from megatron_rlvr.rollout.client import EngineClient
+        from megatron_rlvr.weight_sync.syncer import WeightSyncer
+
+        init_parallel(self.cfg.parallel, Rendezvous(self.rank, self.world_size, *master),
+                      seed=self.cfg.trainer.seed)
+        self.joined = True
+        self.learner = Learner(self.cfg, self.model_dir)
+        if self.rank != 0:
+            return None
+        self.clients = [EngineClient(url, timeout_s=self.cfg.rollout.request_timeout_s) for url in engine_urls]
+        self.syncer = WeightSyncer(self.clients, self.cfg.weight_sync, master_address=master[0],
+                                   checksums=self.cfg.weight_sync.checksum and self.cfg.rollout.engine.type == "cpu")
+        self.loop.run_until_complete(self.syncer.connect())
+        return self.syncer.version
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self.learner.compute_logprobs(batch)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self.learner.train_step(batch)
+
+    def sync_weights(self, version: int) -> dict:
+        from megatron_rlvr.weight_sync.learner_sync import sync_weights
+
+        return sync_weights(self.learner, version, syncer=self.syncer, loop=self.loop)
+
+    def save(self, path: str) -> None:
+        from megatron_rlvr.learner.checkpoint import save_checkpoint
+
+        save_checkpoint(self.learner, path)
+
+    def load(self, path: str) -> int:
+        from megatron_rlvr.learner.checkpoint import load_checkpoint
+
+        return load_checkpoint(self.learner, path)
+
+    def close(self) -> None:
+        from megatron_rlvr.learner.parallel import destroy_parallel
+
+        if self.syncer is not None:
+            self.loop.run_until_complete(self.syncer.close())
+        for client in self.clients:
+            self.loop.run_until_complete(client.close())
+        if self.joined:
+            destroy_parallel()
+        self.loop.close()
+
+
+class LearnerGroup:
+    """Every call is collective: it runs on all ranks and returns rank 0's result."""
+
+    def __init__(self, ranks: list, remote: bool):
+        self.ranks, self.remote = ranks, remote
+
+    @classmethod
+    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], *, remote: bool) -> tuple[LearnerGroup, int]:
+        """The ranks of cfg.parallel's layout, set up; also the engines' weight version."""
+        p = cfg.parallel
+        world = p.tp * p.pp * p.dp
+        if remote:
+            import ray
+
+            options = {"num_gpus": 1} if p.device == "cuda" else {"num_cpus": 0.01}
+            actor = ray.remote(LearnerRank).options(**options)
+            ranks = [actor.remote(cfg, str(model_dir), rank, world) for rank in range(world)]
+        else:
+            ranks = [LearnerRank(cfg, str(model_dir), 0, 1)]
+        group = cls(ranks, remote)
+        try:
+            master = group._call_one(0, "rendezvous_address")
+            version = group._all("setup", master, engine_urls)
+        except BaseException:
+            group.close()
+            raise
+        return group, version
+
+    def _call_one(self, rank: int, method: str, *args):
+        if not self.remote:
+            return getattr(self.ranks[rank], method)(*args)
+        return gather([getattr(self.ranks[rank], method).remote(*args)])[0]
+
+    def _all(self, method: str, *args):
+        if not self.remote:
+            return [getattr(rank, method)(*args) for rank in self.ranks][0]
+        import ray
+
+        args = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]  # one copy for all ranks
+        return gather([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+
+    def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._all("compute_logprobs", batch)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self._all("train_step", batch)
+
+    def sync_weights(self, version: int) -> dict:
+        return self._all("sync_weights", version)
+
+    def save(self, path: Path) -> None:
+        self._all("save", str(path))
+
+    def load(self, path: Path) -> int:
+        return self._all("load", str(path))
+
+    def close(self) -> None:
+        """Best effort on every rank: a rank that already failed must not keep others up."""
+        if not self.remote:
+            for rank in self.ranks:
+                rank.close()
+            return
+        import ray
+
+        refs = [rank.close.remote() for rank in self.ranks]
+        ray.wait(refs, num_returns=len(refs), timeout=60)
+        for rank in self.ranks:
+            ray.kill(rank)

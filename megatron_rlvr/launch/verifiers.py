@@ -1,0 +1,53 @@
+"""The verifier worker pool that scores every response: the math verifier's sandboxed
+processes under this process (local runs), or Ray actors, each with its own sandbox, that
+take groups in turn."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from megatron_rlvr.config import Config
+from megatron_rlvr.rewards.math import MathVerifier
+
+
+class VerifierWorker:
+    def __init__(self, timeout_s: float, num_workers: int = 1):
+        self.verifier = MathVerifier(timeout_s=timeout_s, num_workers=num_workers)
+
+    def rewards(self, responses: list[str], golds: list[str]) -> list[float]:
+        return [reward for reward, _ in self.verifier.verify_batch(responses, golds)]
+
+    def close(self) -> None:
+        self.verifier.close()
+
+
+class VerifierPool:
+    def __init__(self, cfg: Config, *, remote: bool):
+        v = cfg.verifier
+        self.remote = remote
+        if remote:
+            import ray
+
+            actor = ray.remote(VerifierWorker).options(num_cpus=0.01)
+            self.workers = [actor.remote(v.timeout_s) for _ in range(v.num_workers)]
+        else:
+            self.workers = [VerifierWorker(v.timeout_s, v.num_workers)]
+        self._turn = itertools.cycle(self.workers)
+
+    async def __call__(self, responses: list[str], golds: list[str]) -> list[float]:
+        worker = next(self._turn)
+        if self.remote:
+            return await worker.rewards.remote(responses, golds)
+        return await asyncio.to_thread(worker.rewards, responses, golds)
+
+    def close(self) -> None:
+        if not self.remote:
+            for worker in self.workers:
+                worker.close()
+            return
+        import ray
+
+        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
+        for worker in self.workers:
+            ray.kill(worker)
