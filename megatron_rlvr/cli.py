@@ -54,6 +54,7 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
     from megatron_rlvr.launch.cluster import ClusterError
     from megatron_rlvr.rollout.launcher import EngineStartError
+    from megatron_rlvr.rollout.sampler import RolloutFailed
     from megatron_rlvr.run import RunError
 
     def stop(signum, frame):  # SIGTERM (scancel, kill) shuts down like Ctrl-C: nothing orphaned
@@ -62,7 +63,7 @@ def _train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         trainer.train(cfg)
-    except (RunError, ClusterError, EngineStartError, FileNotFoundError) as err:
+    except (RunError, ClusterError, EngineStartError, RolloutFailed, FileNotFoundError) as err:
         cause = getattr(err, "cause", None) or err  # raised inside a Ray actor: the original
         print(f"megatron-rlvr train: {cause}", file=sys.stderr)
         return 2

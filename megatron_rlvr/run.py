@@ -97,6 +97,13 @@ class Run:
                                  drain=not self.cfg.buffer.async_rollout)
         return self.rollout.submit(fill)
 
+    def sync_weights(self) -> dict:
+        """Pushes the learner's weights to every live engine as the current version; engines
+        restarted since the last sync get them too and take work again."""
+        metrics = self.learners.sync_weights(self.version)
+        self.rollout.run(self.manager.readmit(self.version))
+        return metrics
+
     def save(self, step: int) -> None:
         path = Path(self.cfg.trainer.output_dir) / "checkpoint"
         self.learners.save(path)
@@ -126,7 +133,7 @@ class Run:
 
         self.rollout.run(restore())
         self.version = state["version"]
-        self.learners.sync_weights(self.version)
+        self.sync_weights()
         log.info("resumed from %s at step %d (policy version %d)", path, step, self.version)
         return step
 
@@ -171,7 +178,10 @@ def _start(run: Run, remote: bool) -> None:
                                 stop_token_ids=[eos] if eos is not None else None)
     shape = run.routing_shape
     num_experts = read_hf_config(run.model_dir).num_experts
-    run.manager = RolloutManager(run.clients, sampling,
+    async def restart(engine: int) -> None:
+        await asyncio.to_thread(run.engines.restart, engine)
+
+    run.manager = RolloutManager(run.clients, sampling, restart=restart,
                                  routing=RoutingShape(*shape, num_experts) if shape else None)
     buffer_args = {"zero_std_eps": cfg.buffer.zero_std_eps, "max_staleness": cfg.buffer.max_staleness}
     if remote:

@@ -34,7 +34,7 @@ def train(cfg: Config) -> list[dict]:
             batch.old_logprobs = run.learners.compute_logprobs(batch)
             learner_metrics = run.learners.train_step(batch)
             run.version += 1
-            sync_metrics = run.learners.sync_weights(run.version)
+            sync_metrics = run.sync_weights()
             metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started)
             report.log(metrics)
             history.append(metrics)
@@ -48,9 +48,9 @@ def train(cfg: Config) -> list[dict]:
 
 def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float) -> dict:
     async def rollout_side() -> tuple:
-        return run.sampler.take_rewards(), await run.buffer.stats(), run.manager.stats["moved"]
+        return run.sampler.take_rewards(), await run.buffer.stats(), dict(run.manager.stats)
 
-    (rewards, tokens), buffer, moved = run.rollout.run(rollout_side())
+    (rewards, tokens), buffer, engines = run.rollout.run(rollout_side())
     return {
         "step": step,
         "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
@@ -59,7 +59,8 @@ def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float)
         "buffer/kept_groups": buffer["kept"],
         "buffer/dropped_zero_std": buffer["dropped_zero_std"],
         **{f"buffer/{k}": v for k, v in buffer.items() if k not in ("kept", "dropped_zero_std")},
-        "rollout/moved_groups": moved,
+        "rollout/moved_groups": engines.get("moved", 0),
+        "rollout/engines_serving": run.manager.serving,
         "time/step_s": seconds,
         "policy_version": run.version,
         **{f"train/{k}": v for k, v in learner.items()},

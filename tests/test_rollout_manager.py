@@ -45,11 +45,13 @@ def test_an_engine_killed_mid_rollout_loses_no_group_and_is_restarted(two_engine
                 assert s.routed_experts.shape == (3 + 400 - 1, 2, 2) and s.weight_version == "0"
         assert manager.stats["moved"] >= 1 and manager.stats["failed"] == 0  # work moved, none lost
         assert clients[1].base_url in {s.engine for g in groups for s in g.samples}
-        # the dead engine is restarted and serves again
+        # the dead engine is restarted, and serves again once it holds the run's weights
         deadline = time.monotonic() + 120
-        while not clients[0].healthy and time.monotonic() < deadline:
+        while 0 not in manager.restarted and time.monotonic() < deadline:
             await asyncio.sleep(0.5)
-        assert clients[0].healthy and dead.alive
+        assert dead.alive
+        assert await manager.readmit(1) == [] and 0 in manager.restarted  # still initial weights
+        assert await manager.readmit(0) == [0] and not manager.restarted
         rows = await clients[0].generate(p.GenerateReqInput(input_ids=[1, 2], sampling_params=p.SamplingParams(max_new_tokens=2)))
         assert len(rows[0].output_ids) == 2
         for c in clients:

@@ -87,3 +87,33 @@ def test_sigterm_mid_run_stops_every_engine(tmp_path):
     assert "interrupted; every component was stopped" in (tmp_path / "stderr.log").read_text()
     gone, alive = psutil.wait_procs(everything, timeout=60)
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+
+
+def test_an_engine_killed_mid_run_loses_no_group_and_rejoins(tmp_path):
+    import os
+    import signal
+    import time
+
+    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+               f"trainer.output_dir={tmp_path}", "trainer.steps=30", "launch.mode=local", "rollout.num_engines=2",
+               "buffer.batch_groups=4", "rollout.n_samples_per_prompt=4"]
+    log = open(tmp_path / "stderr.log", "w")
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    metrics = tmp_path / "metrics.jsonl"
+    deadline = time.monotonic() + 300
+    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())]
+    assert len(engines) == 2
+    os.kill(engines[0].pid, signal.SIGKILL)
+    assert proc.wait(600) == 0, (tmp_path / "stderr.log").read_text()[-3000:]
+    log.close()
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [m["step"] for m in rows] == list(range(1, 31))
+    last = rows[-1]
+    assert last["rollout/moved_groups"] >= 1  # the dead engine's groups went to the other one
+    assert last["buffer/dropped_failed"] == 0 and last["buffer/used"] == 30 * 4  # none lost
+    assert min(m["rollout/engines_serving"] for m in rows) == 1  # while it was down
+    assert last["rollout/engines_serving"] == 2  # restarted, given the weights, serving again
+    assert "weight update group re-formed" in (tmp_path / "stderr.log").read_text()
+    assert all(m["weight_sync/version"] == m["step"] for m in rows)

@@ -1,6 +1,7 @@
 """The rollout manager: spreads prompt groups over the engines, hands each group to its
 consumer the moment it finishes, and keeps going when an engine dies (its groups move to the
-others; the engine is restarted when a restarter is given)."""
+others; the engine is restarted when a restarter is given, and serves again once it holds
+the run's current weights: see readmit)."""
 
 from __future__ import annotations
 
@@ -52,10 +53,16 @@ class RolloutManager:
         self._tasks: set[asyncio.Task] = set()
         self._restarts: set[asyncio.Task] = set()
         self._restarting: set[int] = set()
+        self.restarted: set[int] = set()  # back up, but holding initial weights
 
     @property
     def in_flight(self) -> int:
         return len(self._tasks)
+
+    @property
+    def serving(self) -> int:
+        """Engines taking work: not restarting, and not waiting for the run's weights."""
+        return len(self.clients) - len(self._restarting | self.restarted)
 
     def submit(self, item: PromptItem, n: int | None = None) -> str:
         """Starts generating n samples of one prompt; the group arrives on `finished`."""
@@ -74,9 +81,8 @@ class RolloutManager:
                              return_exceptions=True)
 
     def _pick(self, tried: set[int]) -> int | None:
-        candidates = [i for i, c in enumerate(self.clients) if c.healthy and i not in tried]
-        if not candidates:
-            candidates = [i for i, c in enumerate(self.clients) if i not in tried]
+        usable = [i for i in range(len(self.clients)) if i not in tried and i not in self.restarted]
+        candidates = [i for i in usable if self.clients[i].healthy] or usable
         return min(candidates, key=lambda i: self.clients[i].in_flight) if candidates else None
 
     async def _run_group(self, item: PromptItem, group_id: str, n: int) -> None:
@@ -142,10 +148,26 @@ class RolloutManager:
         async def restart() -> None:
             try:
                 await self.restart(engine)
-                self.clients[engine].healthy = await self.clients[engine].health()
+                self.restarted.add(engine)
+            except Exception as err:  # the engine stays out; the others carry on
+                log.error("engine %d could not be restarted: %s", engine, err)
             finally:
                 self._restarting.discard(engine)
 
         task = asyncio.create_task(restart())
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
+
+    async def readmit(self, version: int | str) -> list[int]:
+        """Restarted engines that now hold `version` (the weight sync reached them) take
+        work again; returns their indices."""
+        back = []
+        for engine in sorted(self.restarted):
+            try:
+                info = await self.clients[engine].model_info()
+            except (EngineUnavailable, EngineRequestError):
+                continue
+            if info["weight_version"] == str(version):
+                self.restarted.discard(engine)
+                back.append(engine)
+        return back

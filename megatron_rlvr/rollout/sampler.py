@@ -20,17 +20,23 @@ from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.samples import Group
 
+class RolloutFailed(RuntimeError):
+    """Every recent group failed: no engine can serve (the run stops instead of spinning)."""
+
+
 Score = Callable[[list[str], list[str]], Awaitable[list[float]]]  # responses, golds → rewards
 
 
 class ActiveSampler:
     def __init__(self, manager: RolloutManager, buffer, prompts: list[PromptRecord], *,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
-                 score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256):
+                 score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256,
+                 max_failed_in_a_row: int = 64):
         """buffer: a Buffer, or a proxy with the same async methods (the Ray actor)."""
         self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
         self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
+        self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
@@ -69,6 +75,9 @@ class ActiveSampler:
         return self._finished.pop(head)
 
     async def _file(self, group: Group) -> None:
+        self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
+        if self._failed_in_a_row >= self.max_failed_in_a_row:
+            raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
         if group.samples and group.error is None:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples],
                                        [group.answer or ""] * len(group.samples))

@@ -32,7 +32,7 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     prompt = [t % vocab for t in PROBE_TOKENS]
     if syncer is not None:
         responses = loop.run_until_complete(engine_samples(
-            syncer.clients, prompt, max_new_tokens=probe_tokens,
+            syncer.member_clients, prompt, max_new_tokens=probe_tokens,
             temperature=learner.cfg.rollout.temperature))
         box = [(responses, probe_batch(prompt, responses))]
     dist.broadcast_object_list(box, src=0)
@@ -40,7 +40,7 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     logprobs = learner.compute_logprobs(batch, old_logprob_pass=False)
     if syncer is None:
         return {}
-    gaps = check_parity(syncer.clients, prompt, responses, logprobs, tolerance)
+    gaps = check_parity(syncer.member_clients, prompt, responses, logprobs, tolerance)
     return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values())}
 
 

@@ -6,11 +6,16 @@ an update is caught here) → pause generation (retract by default) → open the
 /update_weights_from_distributed, then ONE broadcast, while the next bucket is already being
 exported and packed (memory: two buckets) → close the session → resume → check every engine
 now reports the new version. Any engine error stops the sync with the engine named.
+
+Engines come and go: one that stopped answering leaves the update group at the next sync,
+and one that answers again (restarted, so holding its initial weights) joins it and gets
+the full model; the group is re-formed over the engines alive at that moment.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass
 from typing import Iterable, Iterator
@@ -23,6 +28,8 @@ from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
 from megatron_rlvr.weight_sync.transport import broadcast, open_group
+
+log = logging.getLogger(__name__)
 
 
 class WeightSyncError(RuntimeError):
@@ -53,21 +60,30 @@ class WeightSyncer:
         self.version = initial_version
         self.checksums = cfg.checksum if checksums is None else checksums
         self.group = None
+        self.members: list[int] = []  # indices of the engines in the current group
 
-    async def connect(self) -> None:
-        """Forms the update group: this process is rank 0, engine e's ranks start at
-        1 + Σ ranks of the engines before it (SGLang's rank_offset)."""
-        world = 1 + sum(self.engine_ranks)
+    @property
+    def member_clients(self) -> list[EngineClient]:
+        return [self.clients[i] for i in self.members]
+
+    async def connect(self, members: list[int] | None = None) -> None:
+        """Forms the update group over `members` (default: every engine): this process is
+        rank 0, engine e's ranks start at 1 + Σ ranks of the members before it (SGLang's
+        rank_offset)."""
+        members = list(range(len(self.clients))) if members is None else members
+        ranks = [self.engine_ranks[i] for i in members]
+        world = 1 + sum(ranks)
         port = free_port(self.master_address)
-        offsets = [1 + sum(self.engine_ranks[:i]) for i in range(len(self.clients))]
+        offsets = [1 + sum(ranks[:k]) for k in range(len(members))]
         backend = "nccl" if self.cfg.backend == "nccl" else "gloo"
         opening = asyncio.to_thread(open_group, self.master_address, port, 0, world,
                                     self.group_name, backend)
-        joins = [c.init_weights_update_group(p.InitWeightsUpdateGroupReqInput(
+        joins = [self.clients[i].init_weights_update_group(p.InitWeightsUpdateGroupReqInput(
                      master_address=self.master_address, master_port=port, rank_offset=offset,
                      world_size=world, group_name=self.group_name, backend=backend))
-                 for c, offset in zip(self.clients, offsets)]
+                 for i, offset in zip(members, offsets)]
         self.group, *_ = await asyncio.gather(opening, *joins)
+        self.members = members
         if self.version is None:  # adopt the engines' version; they must agree
             versions = set(await self.engine_versions())
             if len(versions) != 1 or not next(iter(versions)).lstrip("-").isdigit():
@@ -76,14 +92,34 @@ class WeightSyncer:
             self.version = int(versions.pop())
 
     async def engine_versions(self) -> list[str]:
+        """The weight version each member of the group holds."""
         return [info["weight_version"] for info in
-                await asyncio.gather(*(c.model_info() for c in self.clients))]
+                await asyncio.gather(*(c.model_info() for c in self.member_clients))]
 
-    async def _check_versions(self, expected: int | None, when: str) -> None:
+    async def _refresh_members(self) -> list[int]:
+        """Re-forms the group when engines died or came back; returns those that joined."""
+        alive = await asyncio.gather(*(c.health() for c in self.clients))
+        live = [i for i, ok in enumerate(alive) if ok]
+        if not live:
+            raise WeightSyncError("no engine is alive to receive weights: "
+                                  + ", ".join(c.base_url for c in self.clients))
+        if live == self.members:
+            return []
+        lost = [self.clients[i].base_url for i in self.members if i not in live]
+        joined = [i for i in live if i not in self.members]
+        log.warning("weight update group re-formed: lost %s, joined %s", lost or "none",
+                    [self.clients[i].base_url for i in joined] or "none")
+        await asyncio.gather(*(self.clients[i].destroy_weights_update_group(self.group_name)
+                               for i in self.members if i in live), return_exceptions=True)
+        await self.connect(live)
+        return joined
+
+    async def _check_versions(self, expected: int | None, when: str, skip: tuple[int, ...] = ()) -> None:
         if expected is None:
             return
-        for client, version in zip(self.clients, await self.engine_versions()):
-            if version != str(expected):
+        for index, version in zip(self.members, await self.engine_versions()):
+            client = self.clients[index]
+            if index not in skip and version != str(expected):
                 raise WeightSyncError(
                     f"engine {client.base_url} holds weight version {version} {when}, expected "
                     f"{expected}: it skipped or repeated an update"
@@ -95,7 +131,8 @@ class WeightSyncer:
             raise WeightSyncError("connect() first")
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than the last sync ({self.version})")
-        await self._check_versions(self.version, "before the sync")
+        joined = await self._refresh_members()  # they hold initial weights: no version check
+        await self._check_versions(self.version, "before the sync", skip=tuple(joined))
         start = time.perf_counter()
         await self._all("pause", lambda c: c.pause(self.cfg.pause_mode))
         try:
@@ -122,10 +159,10 @@ class WeightSyncer:
                 checksum=current.checksum() if self.checksums else None,
             )
             announced = [asyncio.create_task(c.update_weights_from_distributed(request))
-                         for c in self.clients]
+                         for c in self.member_clients]
             await asyncio.to_thread(broadcast, self.group, current.buffer)
             results = await asyncio.gather(*announced, return_exceptions=True)
-            failed = [(c, r) for c, r in zip(self.clients, results) if isinstance(r, Exception)]
+            failed = [(c, r) for c, r in zip(self.member_clients, results) if isinstance(r, Exception)]
             if failed:
                 upcoming.cancel()
                 client, err = failed[0]
@@ -138,12 +175,12 @@ class WeightSyncer:
         return report
 
     async def _all(self, what: str, call) -> None:
-        results = await asyncio.gather(*(call(c) for c in self.clients), return_exceptions=True)
-        for client, result in zip(self.clients, results):
+        results = await asyncio.gather(*(call(c) for c in self.member_clients), return_exceptions=True)
+        for client, result in zip(self.member_clients, results):
             if isinstance(result, Exception):
                 raise WeightSyncError(f"engine {client.base_url}: {what} failed: {result}")
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.clients),
+        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.member_clients),
                              return_exceptions=True)
         self.group = None
