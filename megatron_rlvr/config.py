@@ -180,6 +180,10 @@ class AlgoConfig(Section):
     routing_replay: Literal["none", "r2", "r3"] = Field(
         "none", description="r2: replay the learner's own routing; r3: the engine's"
     )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="entropy bonus weight (aggregated like the loss); keeps "
+        "exploration alive where groups would collapse to one answer",
+    )
     num_minibatches: PositiveInt = Field(
         1, description="optimizer steps per rollout batch (>1 is off-policy)"
     )

@@ -73,11 +73,32 @@ def parity(learner: Learner, hf_dir: str) -> dict:
     }
 
 
+def entropy_check() -> dict:
+    """token_entropy on vocab-sharded logits (this rank's slice) against the closed form on
+    the full logits, values and gradients."""
+    from megatron.core import parallel_state as mpu
+
+    from megatron_rlvr.learner.forward import token_entropy
+
+    tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
+    full = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(3)) * 3
+    shard = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+    ours = token_entropy(shard, temperature=0.7)
+    (ours * torch.arange(5.0)).sum().backward()
+    whole = full.clone().requires_grad_()
+    logp = torch.log_softmax(whole[:, :-1] / 0.7, -1)
+    reference = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    (reference * torch.arange(5.0)).sum().backward()
+    return {"value_diff": float((ours - reference).abs().max()),
+            "grad_diff": float((shard.grad - whole.grad.chunk(tp, dim=-1)[rank]).abs().max())}
+
+
 def descent(learner: Learner) -> dict:
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     batch.old_logprobs = learner.compute_logprobs(batch)
     batch.advantages = torch.linspace(-1.0, 1.0, batch.size)
-    return {"losses": [learner.train_step(batch)["policy_loss"] for _ in range(6)]}
+    steps = [learner.train_step(batch) for _ in range(6)]
+    return {"losses": [m["policy_loss"] for m in steps], "entropies": [m["entropy"] for m in steps]}
 
 
 class UsedRouting:
@@ -259,6 +280,8 @@ def main() -> None:
         result = parity(learner, hf_dir)
     elif scenario == "descent":
         result = descent(learner)
+    elif scenario == "entropy":
+        result = entropy_check()
     elif scenario == "replay-r2":
         result = replay_r2(learner, hf_dir)
     elif scenario in ("sync", "sync-integrity"):

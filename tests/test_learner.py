@@ -39,6 +39,7 @@ def test_two_process_layout_equals_world1(layout, world1, tiny_hf_dir, tmp_path)
         assert ours["policy_loss"] == pytest.approx(ref["policy_loss"], rel=1e-5, abs=1e-7)
         assert ours["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-5)
         assert ours["clipfrac"] == pytest.approx(ref["clipfrac"], abs=1e-6)
+        assert ours["entropy"] == pytest.approx(ref["entropy"], rel=1e-5)  # vocab-sharded under TP
         after = torch.tensor(r["logprobs_after_step"])
         assert (after - torch.tensor(world1["logprobs_after_step"])).abs().max() <= 1e-5
 
@@ -72,3 +73,21 @@ def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
                            "algo.num_minibatches=1", *clip], tmp_path)[0]["losses"]
     assert losses[-1] < losses[0] - 1e-3, losses
     assert all(b <= a + 1e-6 for a, b in zip(losses, losses[1:])), losses
+
+
+@pytest.mark.parametrize("layout", [[], LAYOUTS["tp2-sp"]], ids=["world1", "tp2"])
+def test_entropy_from_vocab_sharded_logits_equals_the_closed_form(layout, tiny_hf_dir, tmp_path):
+    for r in run_ranks(2 if layout else 1, ["entropy", str(tiny_hf_dir), *layout], tmp_path):
+        assert r["value_diff"] <= 1e-5 and r["grad_diff"] <= 1e-6, r
+
+
+def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_path):
+    def entropies(coef: float) -> list[float]:
+        (tmp_path / str(coef)).mkdir()
+        return run_ranks(1, ["descent", str(tiny_hf_dir), "trainer.lr=3e-3", "algo.num_minibatches=1",
+                                      f"algo.entropy_coef={coef}"],
+                         tmp_path / str(coef))[0]["entropies"]
+
+    plain, bonus = entropies(0.0), entropies(1.0)
+    assert plain[0] == pytest.approx(bonus[0])  # same start
+    assert bonus[-1] > bonus[0] and bonus[-1] > plain[-1] + 1e-3, (plain, bonus)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_rlvr.algo.losses import policy_loss
+from megatron_rlvr.algo.losses import AGGREGATIONS, policy_loss
+from megatron_rlvr.algo.metrics import masked_mean
 from megatron_rlvr.config import AlgoConfig
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.parallel import device as rank_device
@@ -29,6 +30,22 @@ def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: f
     shifted = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
     ce = vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
     return F.pad(-ce, (1, 0))
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of the next-token distribution [B, T] (aligned with token_logprobs), with
+    gradient, from vocab-sharded logits: H = log Σe^z − Σ e^z·z / Σe^z, each sum over the
+    whole vocabulary by one all-reduce over the tensor-parallel group."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+
+    z = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
+    peak = z.detach().max(dim=-1, keepdim=True).values
+    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
+    z = z - peak
+    e = z.exp()
+    sums = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), (e * z).sum(-1)]))
+    return F.pad(sums[0].log() - sums[1] / sums[0], (1, 0))
 
 
 
@@ -119,6 +136,10 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
             kind=algo.kind, clip_low=algo.clip_low, clip_high=algo.clip_high,
             clip_ratio_c=algo.clip_ratio_c, agg=algo.agg, agg_normalizer=agg_normalizer, **kwargs,
         )
+        entropy = token_entropy(output, temperature)
+        if algo.entropy_coef:  # a bonus: higher entropy lowers the loss, against collapse
+            loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, mask, agg_normalizer)
+        metrics["entropy"] = masked_mean(entropy.detach(), mask)
         if algo.agg == "seq-mean-token-sum-norm":  # its mean over sequences is per call
             local_seqs = (mask.sum(-1) > 0).sum().clamp(min=1)
             loss = loss * local_seqs / max(normalizer, 1.0)
@@ -167,8 +188,8 @@ def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]
     return out
 
 
-METRIC_NAMES = (  # every metric policy_loss reports, in one order all ranks agree on
-    "approx_kl", "clipfrac", "clipfrac_high_side", "clipfrac_low_side", "clipfrac_lower",
+METRIC_NAMES = (  # every metric the loss reports, in one order all ranks agree on
+    "approx_kl", "clipfrac", "clipfrac_high_side", "clipfrac_low_side", "clipfrac_lower", "entropy",
     "mismatch_abs_max", "mismatch_abs_mean", "mismatch_k3_kl", "policy_loss", "ratio_max",
     "ratio_mean", "tis_clipfrac", "tis_weight_mean",
 )
