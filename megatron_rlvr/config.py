@@ -307,7 +307,10 @@ class TrainerConfig(Section):
     )
     seed: int = 0
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
-    resume: bool = Field(True, description="resume from output_dir when a checkpoint is there")
+    resume: bool = Field(
+        False, description="continue from output_dir's checkpoint (weights, optimizer, sampler and "
+        "buffer; a synchronous CPU run then logs what an uninterrupted one would); false: start afresh",
+    )
 
 
 class LoggingConfig(Section):

@@ -119,6 +119,7 @@ class Run:
         engines; returns the step it was taken after (0: none)."""
         path = Path(self.cfg.trainer.output_dir) / "checkpoint"
         if not (path / RUN_STATE).exists():
+            log.info("no checkpoint in %s: starting afresh", path)
             return 0
         state = pickle.loads((path / RUN_STATE).read_bytes())
         step = self.learners.load(path)

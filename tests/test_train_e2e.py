@@ -49,7 +49,7 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     timing = ("time/step_s", "weight_sync/seconds")
     whole, _ = train(tmp_path / "whole", "launch.mode=local", "trainer.steps=4")
     train(tmp_path / "halves", "launch.mode=local", "trainer.steps=2")
-    resumed, done = train(tmp_path / "halves", "launch.mode=local", "trainer.steps=4")
+    resumed, done = train(tmp_path / "halves", "launch.mode=local", "trainer.steps=4", "trainer.resume=true")
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]  # one line per step, none repeated
     assert "resumed from" in done.stderr
     for a, b in zip(whole, resumed):
