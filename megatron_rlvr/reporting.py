@@ -22,6 +22,7 @@ class RunReport:
         self.metrics_path = self.dir / "metrics.jsonl"
         kept = [line for line in _lines(self.metrics_path) if json.loads(line)["step"] < first_step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
+        self.last: dict | None = json.loads(kept[-1]) if kept else None  # the latest step logged
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -31,6 +32,7 @@ class RunReport:
                         dynamic_ncols=True, desc="train", mininterval=0)
 
     def log(self, metrics: dict) -> None:
+        self.last = metrics
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.tb is not None:

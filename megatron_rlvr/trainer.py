@@ -35,7 +35,8 @@ def train(cfg: Config) -> list[dict]:
             learner_metrics = run.learners.train_step(batch)
             run.version += 1
             sync_metrics = run.sync_weights()
-            metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started)
+            metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
+                                   report.last)
             report.log(metrics)
             history.append(metrics)
             if step == steps or (cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0):
@@ -46,14 +47,16 @@ def train(cfg: Config) -> list[dict]:
     return history
 
 
-def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float) -> dict:
+def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, previous: dict | None) -> dict:
+    """previous: the last step's metrics. A step trained from the buffer's surplus alone scores
+    no new sample: its reward/mean is carried over (and reward/samples says 0)."""
     async def rollout_side() -> tuple:
         return run.sampler.take_rewards(), await run.buffer.stats(), dict(run.manager.stats)
 
     (rewards, tokens), buffer, engines = run.rollout.run(rollout_side())
     return {
         "step": step,
-        "reward/mean": statistics.fmean(rewards) if rewards else 0.0,
+        "reward/mean": statistics.fmean(rewards) if rewards else (previous or {}).get("reward/mean", 0.0),
         "reward/samples": len(rewards),
         "rollout/tokens": tokens,
         "buffer/kept_groups": buffer["kept"],
