@@ -34,6 +34,7 @@ def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
         assert 0.0 <= m["reward/mean"] <= 1.0
         assert m["weight_sync/parity_max_gap"] <= 1e-5 and m["weight_sync/version"] == m["step"]
         assert m["train/grad_norm"] > 0 and m["buffer/used"] == 4 * m["step"]
+        assert sum(v for k, v in m.items() if k.startswith("verifier/")) == m["reward/samples"]  # a reason each
         if "algo.routing_replay=r3" in overrides:
             assert 0.0 < m["train/routing_agreement_engine"] <= 1.0
     assert sum(m["reward/samples"] for m in metrics) >= 3 * 4 * 4  # every used group was scored
@@ -47,6 +48,8 @@ def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
 
 def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     timing = ("time/step_s", "weight_sync/seconds")
+    # engine vs learner logprobs: float rounding (~1e-7) that depends on how the engine batched
+    noise = ("weight_sync/parity_max_gap", "train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl")
     whole, _ = train(tmp_path / "whole", "launch.mode=local", "trainer.steps=4")
     train(tmp_path / "halves", "launch.mode=local", "trainer.steps=2")
     resumed, done = train(tmp_path / "halves", "launch.mode=local", "trainer.steps=4", "trainer.resume=true")
@@ -54,8 +57,10 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     assert "resumed from" in done.stderr
     for a, b in zip(whole, resumed):
         assert set(a) == set(b)
-        for key in set(a) - set(timing):
+        for key in set(a) - set(timing) - set(noise):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        for key in noise:
+            assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
 
 def test_a_multi_rank_layout_in_local_mode_is_a_config_error(tmp_path):

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import threading
+from collections import Counter
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.rewards.math import MathVerifier
@@ -14,9 +16,19 @@ from megatron_rlvr.rewards.math import MathVerifier
 class VerifierWorker:
     def __init__(self, timeout_s: float, num_workers: int = 1):
         self.verifier = MathVerifier(timeout_s=timeout_s, num_workers=num_workers)
+        self._lock = threading.Lock()  # scoring runs on worker threads in local runs
+        self._reasons: Counter[str] = Counter()
 
     def rewards(self, responses: list[str], golds: list[str]) -> list[float]:
-        return [reward for reward, _ in self.verifier.verify_batch(responses, golds)]
+        verdicts = self.verifier.verify_batch(responses, golds)
+        with self._lock:
+            self._reasons.update(reason for _, reason in verdicts)
+        return [reward for reward, _ in verdicts]
+
+    def take_reasons(self) -> dict[str, int]:
+        with self._lock:
+            reasons, self._reasons = dict(self._reasons), Counter()
+        return reasons
 
     def close(self) -> None:
         self.verifier.close()
@@ -40,6 +52,16 @@ class VerifierPool:
         if self.remote:
             return await worker.rewards.remote(responses, golds)
         return await asyncio.to_thread(worker.rewards, responses, golds)
+
+    def take_reasons(self) -> dict[str, int]:
+        """Verdicts of each kind (numeric_equal, timeout, parse_error, ...) since the last call."""
+        if self.remote:
+            from megatron_rlvr.launch.cluster import gather
+
+            per_worker = gather([w.take_reasons.remote() for w in self.workers])
+        else:
+            per_worker = [w.take_reasons() for w in self.workers]
+        return dict(sum((Counter(c) for c in per_worker), Counter()))
 
     def close(self) -> None:
         if not self.remote:
