@@ -14,6 +14,7 @@ import concurrent.futures
 import contextlib
 import logging
 import pickle
+import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +43,7 @@ def prepare_model(cfg: Config) -> tuple[Path, object]:
 
         tokenizer = build_arithmetic_tokenizer(model_dir)
         spec: TinyModel = cfg.model
-        build_tiny_hf_model(spec, model_dir, vocab_size=spec.vocab_size or len(tokenizer))
+        build_tiny_hf_model(spec, model_dir, vocab_size=spec.vocab_size or len(tokenizer), tokenizer=tokenizer)
     return model_dir, AutoTokenizer.from_pretrained(model_dir)
 
 
@@ -147,13 +148,34 @@ def open_run(cfg: Config):
     remote = cfg.launch.mode == "ray"
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
-    with ray_session(cfg) if remote else contextlib.nullcontext():
-        run = Run(cfg, model_dir, tokenizer)
+    with contextlib.ExitStack() as cluster:
+        run = None
         try:
+            if remote:
+                cluster.enter_context(ray_session(cfg))
+            run = Run(cfg, model_dir, tokenizer)
             _start(run, remote)
             yield run
         finally:
-            _teardown(run)
+            with _signals_held():
+                if run is not None:
+                    _teardown(run)
+                cluster.close()  # Ray last: actors first, then its daemons
+
+
+@contextlib.contextmanager
+def _signals_held():
+    """A second Ctrl-C (or SIGTERM) during teardown would cut it short and orphan what is
+    left: both wait until it is done."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in held.items():
+            signal.signal(sig, handler)
 
 
 def _start(run: Run, remote: bool) -> None:
@@ -208,6 +230,8 @@ def _teardown(run: Run) -> None:
     if run.manager is not None:
         with contextlib.suppress(Exception):
             run.rollout.submit(run.manager.abort_all()).result(timeout=30)
+        with contextlib.suppress(Exception):
+            run.rollout.submit(run.manager.close()).result(timeout=30)
     for client in run.clients:
         with contextlib.suppress(Exception):
             run.rollout.submit(client.close()).result(timeout=10)

@@ -11,8 +11,12 @@ from megatron_rlvr.config import TinyModel
 
 
 def build_tiny_hf_model(spec: TinyModel, out_dir: str | Path, vocab_size: int,
-                        dtype: torch.dtype = torch.float32) -> Path:
-    """Random Qwen3-MoE with `spec`'s shape, saved with save_pretrained into out_dir."""
+                        dtype: torch.dtype = torch.float32, tokenizer=None) -> Path:
+    """Random Qwen3-MoE with `spec`'s shape, saved with save_pretrained into out_dir. With a
+    tokenizer, its special token ids go into the config, so plain generation stops at EOS."""
+    special = {} if tokenizer is None else {
+        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id}
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(
@@ -33,6 +37,7 @@ def build_tiny_hf_model(spec: TinyModel, out_dir: str | Path, vocab_size: int,
         max_position_embeddings=512,
         router_aux_loss_coef=0.0,
         initializer_range=0.1,
+        **special,
     )
     torch.manual_seed(spec.init_seed)
     model = Qwen3MoeForCausalLM(config).to(dtype)

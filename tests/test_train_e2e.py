@@ -95,30 +95,45 @@ def test_sigterm_mid_run_stops_every_engine(tmp_path):
 
 
 def test_an_engine_killed_mid_run_loses_no_group_and_rejoins(tmp_path):
+    """Training goes on through the failure; once the restarted engine holds the current
+    weights it serves again, and the run is then stopped (how long a restart takes depends
+    on the machine, so the run is not given a fixed length)."""
     import os
     import signal
     import time
 
     command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-               f"trainer.output_dir={tmp_path}", "trainer.steps=30", "launch.mode=local", "rollout.num_engines=2",
+               f"trainer.output_dir={tmp_path}", "trainer.steps=2000", "launch.mode=local", "rollout.num_engines=2",
                "buffer.batch_groups=4", "rollout.n_samples_per_prompt=4"]
     log = open(tmp_path / "stderr.log", "w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     metrics = tmp_path / "metrics.jsonl"
+
+    def rows() -> list[dict]:
+        return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+
     deadline = time.monotonic() + 300
-    while (not metrics.exists() or len(metrics.read_text().splitlines()) < 2) and time.monotonic() < deadline:
+    while len(rows()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
     engines = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())]
     assert len(engines) == 2
     os.kill(engines[0].pid, signal.SIGKILL)
-    assert proc.wait(600) == 0, (tmp_path / "stderr.log").read_text()[-3000:]
+    killed_at = len(rows())
+    while time.monotonic() < deadline and proc.poll() is None:
+        after = rows()[killed_at:]
+        if any(m["rollout/engines_serving"] == 1 for m in after) and after[-1]["rollout/engines_serving"] == 2:
+            break
+        time.sleep(0.5)
+    os.kill(proc.pid, signal.SIGTERM)
+    assert proc.wait(120) == 130, (tmp_path / "stderr.log").read_text()[-3000:]
     log.close()
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
-    assert [m["step"] for m in rows] == list(range(1, 31))
-    last = rows[-1]
+    done = rows()
+    assert [m["step"] for m in done] == list(range(1, len(done) + 1))
+    last = done[-1]
     assert last["rollout/moved_groups"] >= 1  # the dead engine's groups went to the other one
-    assert last["buffer/dropped_failed"] == 0 and last["buffer/used"] == 30 * 4  # none lost
-    assert min(m["rollout/engines_serving"] for m in rows) == 1  # while it was down
+    assert last["buffer/dropped_failed"] == 0 and last["buffer/used"] == 4 * last["step"]  # none lost
+    assert min(m["rollout/engines_serving"] for m in done) == 1  # while it was down
     assert last["rollout/engines_serving"] == 2  # restarted, given the weights, serving again
-    assert "weight update group re-formed" in (tmp_path / "stderr.log").read_text()
-    assert all(m["weight_sync/version"] == m["step"] for m in rows)
+    text = (tmp_path / "stderr.log").read_text()
+    assert "weight update group re-formed: lost" in text and "joined ['http" in text
+    assert all(m["weight_sync/version"] == m["step"] for m in done)

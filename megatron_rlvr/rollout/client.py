@@ -56,7 +56,7 @@ class EngineClient:
                 await asyncio.sleep(self.backoff_s * 2**attempt)
         self.failures += 1
         self.healthy = False
-        raise EngineUnavailable(f"{self.base_url}{path}: {last}")
+        raise EngineUnavailable(f"{self.base_url}{path}: {type(last).__name__}: {last}".rstrip(": "))
 
     # ------------------------------------------------------------------ generation
     async def generate(self, request: p.GenerateReqInput) -> list[p.GenerateResponse]:

@@ -80,6 +80,13 @@ class RolloutManager:
         await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy),
                              return_exceptions=True)
 
+    async def close(self) -> None:
+        """Cancels every group still running (and restarts), before the clients close."""
+        tasks = [*self._tasks, *self._restarts]
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
     def _pick(self, tried: set[int]) -> int | None:
         usable = [i for i in range(len(self.clients)) if i not in tried and i not in self.restarted]
         candidates = [i for i in usable if self.clients[i].healthy] or usable
