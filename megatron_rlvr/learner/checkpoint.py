@@ -107,3 +107,64 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
                  common.get("layout"))
     learner.step = int(common["step"])
     return learner.step
+
+
+# ----------------------------------------------------------------------------- model only
+class ModelCheckpointMismatch(ValueError):
+    """A checkpoint that does not hold this model's tensors, said in one line."""
+
+
+def save_model(modules: list[torch.nn.Module], path: str | Path) -> None:
+    """Model weights only (what `convert hf-to-mcore` writes), under the keys of a learner
+    checkpoint's model, so that load_model reads either kind. Collective."""
+    from megatron.core import dist_checkpointing
+
+    Path(path).mkdir(parents=True, exist_ok=True)
+    dist_checkpointing.save({"model": modules[0].sharded_state_dict()}, str(path))
+
+
+def load_model(modules: list[torch.nn.Module], path: str | Path) -> None:
+    """Loads the model weights of a model-only or learner checkpoint saved in any layout.
+    Megatron would load a checkpoint with a tensor too many (an untied lm_head under a tied
+    config) without a word, so the tensor set and shapes are checked first. Collective."""
+    from megatron.core import dist_checkpointing
+
+    state = modules[0].sharded_state_dict()
+    check_model_tensors(state, dist_checkpointing.load_tensors_metadata(str(path)), path)
+    loaded = dist_checkpointing.load({"model": state}, str(path))
+    modules[0].load_state_dict(loaded["model"])
+
+
+def _global_shapes(state: dict) -> dict[str, tuple[int, ...]]:
+    """Checkpoint key → global shape of every tensor a model's sharded state dict holds."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+
+    shapes = {}
+    for value in state.values():
+        built = nested_values(value.build()) if isinstance(value, ShardedTensorFactory) else [value]
+        shapes.update({t.key: tuple(t.global_shape) for t in built if isinstance(t, ShardedTensor)})
+    return shapes
+
+
+def check_model_tensors(state: dict, metadata: dict, path: str | Path) -> None:
+    """Raises ModelCheckpointMismatch naming the first model tensor the checkpoint lacks,
+    holds in another shape, or holds beyond the model (optimizer state aside). Collective:
+    what the model lacks is judged on the tensors of all ranks (stages hold different ones)."""
+    ours = _global_shapes(state)
+    theirs = {key: tuple(t.global_shape) for key, t in metadata.items()
+              if not key.startswith("optimizer.")}
+    for key, shape in ours.items():
+        if key not in theirs:
+            raise ModelCheckpointMismatch(f"checkpoint {path} lacks tensor {key} {list(shape)}")
+        if theirs[key] != shape:
+            raise ModelCheckpointMismatch(
+                f"tensor {key} is {list(theirs[key])} in checkpoint {path} but {list(shape)} "
+                "in this model (a different config: layers, heads, experts, vocab, sizes)")
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sorted(ours))
+    extra = sorted(set(theirs).difference(*everyone))
+    if extra:
+        raise ModelCheckpointMismatch(
+            f"checkpoint {path} holds tensor {extra[0]} {list(theirs[extra[0]])} that this model "
+            "lacks (a different config, e.g. tie_word_embeddings)")
