@@ -79,6 +79,11 @@ class HFModel(Section):
 
     type: Literal["hf"] = "hf"
     path: str = Field(description="directory holding config.json and *.safetensors")
+    mcore_checkpoint: str | None = Field(
+        None, description="the learner's first weights from this Megatron checkpoint (`megatron-rlvr "
+        "convert hf-to-mcore`, any layout) instead of path's safetensors; path still gives the config, "
+        "tokenizer and the engines' first weights, so both must hold the same model",
+    )
 
 
 ModelConfig = Annotated[TinyModel | HFModel, Field(discriminator="type")]

@@ -10,9 +10,10 @@ from typing import Iterator
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import Config, HFModel
 from megatron_rlvr.learner import model as model_lib
 from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices, pad_rows
+from megatron_rlvr.learner.checkpoint import load_model
 from megatron_rlvr.learner.forward import (
     forward_logprobs,
     reduce_metrics,
@@ -50,7 +51,10 @@ class Learner:
         )
         RouterReplay.clear_global_router_replay_instances()  # a process-global list: ours only
         modules = model_lib.build_model_chunks(self.bridge)
-        model_lib.load_hf_weights(modules, self.bridge, hf_dir)
+        if isinstance(cfg.model, HFModel) and cfg.model.mcore_checkpoint:
+            load_model(modules, cfg.model.mcore_checkpoint)
+        else:
+            model_lib.load_hf_weights(modules, self.bridge, hf_dir)
         tcfg = self.bridge.config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True, overlap_grad_reduce=False,
