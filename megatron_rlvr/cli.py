@@ -6,11 +6,11 @@ import argparse
 import sys
 
 from megatron_rlvr.config import ConfigError, load_config, to_yaml
+from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.launch import slurm
 
 # Subcommands whose implementation lands with a later capability, and which one.
 NOT_YET = {
-    "convert": "HF <-> Megatron conversion lands with the checkpoint-conversion capability",
     "compare-replay": "routing-replay comparison lands with the compare-replay capability",
     "bench": "benchmarks run as scripts for now: python benchmarks/<name>.py",
 }
@@ -29,6 +29,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument(
         "--dry-run", action="store_true", help="print the resolved config as YAML and exit"
     )
+    convert.add_parser(sub)
     slurm.add_submit_parser(sub)
     for name, why in NOT_YET.items():
         cmd = sub.add_parser(name, help=why)
@@ -84,10 +85,14 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
-    elif extra:
+    elif extra and args.command in NOT_YET:
         args.args = [*args.args, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
         return _train(args)
+    if args.command == "convert":
+        return convert.main(args)
     if args.command == "submit":
         return slurm.submit_command(args)
     print(f"megatron-rlvr {args.command}: not available yet ({NOT_YET[args.command]})",
