@@ -20,7 +20,7 @@ from megatron_rlvr.learner.forward import (
     step_normalizer,
     train_minibatch,
 )
-from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay
+from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay, WatchRouting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -44,9 +44,11 @@ class Learner:
         self.cfg = cfg
         dtype = DTYPES[cfg.trainer.dtype]
         hf_config = model_lib.read_hf_config(hf_dir)
+        # the engine's routing, when captured, is also measured against ours in every mode
+        routers_driven = cfg.algo.routing_replay != "none" or bool(cfg.rollout.return_routed_experts)
         self.bridge = model_lib.make_bridge(
             hf_config, device=cfg.parallel.device, dtype=dtype,
-            routing_replay=cfg.algo.routing_replay != "none",
+            routing_replay=routers_driven,
             recompute=cfg.trainer.recompute_activations,
         )
         RouterReplay.clear_global_router_replay_instances()  # a process-global list: ours only
@@ -68,7 +70,7 @@ class Learner:
         tcfg.grad_scale_func = self.optimizer.scale_loss
         self.step = 0
         self.replay = None
-        if cfg.algo.routing_replay != "none":
+        if routers_driven:
             self.replay = RoutingReplay(
                 modules, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
                 sequence_parallel=tcfg.sequence_parallel, recompute=cfg.trainer.recompute_activations,
@@ -121,10 +123,11 @@ class Learner:
     # ------------------------------------------------------------------ calls
     def _routing_hooks(self, batch: TrainBatch, phase: str):
         """Micro-batch hooks for the configured replay mode: R2 records in the old-logprob
-        pass and replays in training; R3 replays the engine's routing in both."""
+        pass and replays in training; R3 replays the engine's routing in both; without replay
+        the old-logprob pass only watches the routing (against the engine's, if captured)."""
         mode = self.cfg.algo.routing_replay
         if mode == "none":
-            return None
+            return WatchRouting(self.replay) if self.replay is not None and phase == "old_logprobs" else None
         if mode == "r3":
             self._check_routed_experts(batch)
             return ReplayRouting(self.replay, "engine")
@@ -168,8 +171,7 @@ class Learner:
         if self.replay is not None and old_logprob_pass:
             self.replay.clear()
             self.replay.stop_measuring()
-            if self.cfg.algo.routing_replay == "r3":
-                self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
+            self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
         width = local[0].input_ids.shape[1]
         ours = torch.zeros(sum(len(i) for i in index), width) if ours is None else ours
         if mpu.get_pipeline_model_parallel_world_size() > 1:

@@ -11,8 +11,9 @@ With activation recompute, the recomputed forward inside backward pops targets i
 order (REPLAY_BACKWARD); a hook on each micro-batch's output switches to it when that
 micro-batch's backward starts.
 
-Router forward hooks also measure, per layer, how often the routing the model used agrees
-with its natural top-k (the agreement metrics).
+Router forward hooks also measure, per layer, how often the natural top-k agrees with the
+target (the replayed routing, or the engine's when a natural forward is only watched), and
+how often the routing the router actually used does (the `_used` metric: 1.0 under replay).
 """
 
 from __future__ import annotations
@@ -67,6 +68,7 @@ class RoutingReplay:
         self.recorded: dict[int, list[torch.Tensor]] = {}
         self._agree = torch.zeros(num_layers, dtype=torch.float64)
         self._count = torch.zeros(num_layers, dtype=torch.float64)
+        self._used = torch.zeros(num_layers, dtype=torch.float64)
         self._valid: torch.Tensor | None = None
         self._hooks = [router.register_forward_hook(self._measure(layer))
                        for layer, router in self.routers]
@@ -86,8 +88,16 @@ class RoutingReplay:
         """Before a micro-batch forward of the old-logprob pass (R2)."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
-        self._valid = None  # recorded routing is the natural routing: nothing to measure
         self._set_action(RouterReplayAction.RECORD)
+
+    def watch(self, routed_experts: torch.Tensor | None, response_mask: torch.Tensor) -> None:
+        """Before a forward that routes naturally: measure that routing against the engine's
+        (set as targets, which no replay action reads), when the micro-batch carries it."""
+        self._valid = None
+        if routed_experts is not None:
+            for (_, router), target in zip(self.routers, self.engine_targets(routed_experts)):
+                router.router_replay.set_target_indices(target.long())
+            self._valid = self.local_valid(response_mask)
 
     def keep_recorded(self, index: int) -> None:
         """After that forward: keep what each local router chose for this micro-batch."""
@@ -146,24 +156,28 @@ class RoutingReplay:
                         scores = torch.softmax(scores.float(), dim=-1)
                     scores = scores + bias
                 natural = scores.topk(router.topk, dim=-1).indices.sort(dim=-1).values
-                used = router.router_replay.target_topk_idx.to(natural.device).long().sort(dim=-1).values
-                agree = (natural == used).all(dim=-1) & self._valid.to(natural.device)
-                self._agree[layer] += agree.sum().item()
+                target = router.router_replay.target_topk_idx.to(natural.device).long().sort(dim=-1).values
+                valid = self._valid.to(natural.device)
+                used = output[1]  # the routing map [tokens, experts] the layer dispatched with
+                target_map = torch.zeros_like(used).scatter_(1, target, True)
+                self._agree[layer] += ((natural == target).all(dim=-1) & valid).sum().item()
+                self._used[layer] += ((used == target_map).all(dim=-1) & valid).sum().item()
                 self._count[layer] += self._valid.sum().item()
 
         return hook
 
     def take_agreement(self, prefix: str) -> dict[str, float]:
-        """Agreement of used vs natural routing since the last call, summed over all ranks:
-        overall and per layer (only MoE layers that saw tokens)."""
-        totals = torch.stack([self._agree, self._count])
+        """Agreement of natural vs target routing since the last call, summed over all ranks:
+        overall and per layer (only MoE layers that saw tokens); `{prefix}_used`: the routing
+        actually used vs the target, overall."""
+        totals = torch.stack([self._agree, self._count, self._used])
         dist.all_reduce(totals)
-        self._agree.zero_()
-        self._count.zero_()
-        agree, count = totals
+        for tally in (self._agree, self._count, self._used):
+            tally.zero_()
+        agree, count, used = totals
         if count.sum() == 0:
             return {}
-        out = {prefix: float(agree.sum() / count.sum())}
+        out = {prefix: float(agree.sum() / count.sum()), f"{prefix}_used": float(used.sum() / count.sum())}
         for layer in range(self.num_layers):
             if count[layer] > 0:
                 out[f"{prefix}/layer{layer}"] = float(agree[layer] / count[layer])
@@ -173,13 +187,25 @@ class RoutingReplay:
         self._valid = None
 
 
-class RecordRouting:
-    """Micro-batch hooks of the R2 old-logprob pass: record every router's choice."""
+class WatchRouting:
+    """Micro-batch hooks of an old-logprob pass without replay: the routing stays natural and is
+    measured against the engine's, when the batch carries it."""
 
     def __init__(self, replay: RoutingReplay):
         self.replay = replay
 
     def before_forward(self, index: int, mb) -> None:
+        self.replay.watch(mb.routed_experts, mb.response_mask)
+
+    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
+        pass
+
+
+class RecordRouting(WatchRouting):
+    """Micro-batch hooks of the R2 old-logprob pass: record every router's choice."""
+
+    def before_forward(self, index: int, mb) -> None:
+        super().before_forward(index, mb)
         self.replay.record()
 
     def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
