@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
+from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.config import ConfigError, load_config, to_yaml
 from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.launch import slurm
 
 # Subcommands whose implementation lands with a later capability, and which one.
 NOT_YET = {
-    "compare-replay": "routing-replay comparison lands with the compare-replay capability",
     "bench": "benchmarks run as scripts for now: python benchmarks/<name>.py",
 }
 
@@ -31,6 +31,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
+    compare_replay.add_parser(sub)
     for name, why in NOT_YET.items():
         cmd = sub.add_parser(name, help=why)
         cmd.add_argument("args", nargs=argparse.REMAINDER)
@@ -91,6 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "train":
         return _train(args)
+    if args.command == "compare-replay":
+        return compare_replay.main(args)
     if args.command == "convert":
         return convert.main(args)
     if args.command == "submit":

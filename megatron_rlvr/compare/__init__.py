@@ -1,0 +1,4 @@
+"""`megatron-rlvr compare-replay`: no replay, R2 and R3 (and GRPO vs GSPO, at several off-policy
+degrees) run side by side from the same weights, data order and seeds, and a report that says
+which kept MoE training stable. Users otherwise choose by hand-launching runs and reading
+dashboards; here the choice comes with its numbers."""

@@ -1,0 +1,210 @@
+"""`megatron-rlvr compare-replay`: the stability rule and the report on made-up metrics, the
+Slurm path through stand-in sbatch/scontrol, and real comparisons on the CPU preset: outputs,
+routing agreement (R3 uses the engine's routing; bf16 engine vs fp32 learner route apart),
+resuming an interrupted comparison, and determinism."""
+
+import json
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from megatron_rlvr.compare import analysis as an
+from megatron_rlvr.compare.report import write_report
+
+REPO = Path(__file__).resolve().parents[1]
+PRESET = REPO / "configs" / "compare-replay-cpu.yaml"
+PNG = b"\x89PNG\r\n\x1a\n"
+TIMING = ("time/step_s", "weight_sync/seconds")
+# engine vs learner logprobs: float rounding that may depend on how the engine batched
+ROUNDING = ("train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl")
+
+
+def compare(*args, **popen):
+    command = [sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)]
+    if popen:
+        return subprocess.Popen(command, cwd=REPO, **popen)
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def rows(steps, *, mismatch, reward=lambda s: 0.5, grad=lambda s: 1.0, natural=0.97, used=0.97):
+    return [{"step": s, "reward/mean": reward(s), "train/mismatch_k3_kl": mismatch(s), "train/grad_norm": grad(s),
+             "train/policy_loss": -0.1, "train/routing_agreement_engine": natural,
+             "train/routing_agreement_engine/layer0": natural, "train/routing_agreement_engine_used": used,
+             "time/step_s": 1.0} for s in range(1, steps + 1)]
+
+
+# ----------------------------------------------------------------------------- the rule
+def test_the_most_stable_mode_is_the_lowest_final_mismatch_among_runs_without_collapse_or_spike(tmp_path):
+    steps = 20
+    results = [
+        an.RunResult(an.Combo("grpo", 4, "none"), 0, rows(steps, mismatch=lambda s: 1e-4 if s <= 4 else 6e-4)),
+        an.RunResult(an.Combo("grpo", 4, "r2"), 0, rows(steps, mismatch=lambda s: 1e-5,
+                                                        grad=lambda s: 40.0 if s == 7 else 1.0)),
+        an.RunResult(an.Combo("grpo", 4, "r3"), 0, rows(steps, mismatch=lambda s: 2e-5, used=1.0,
+                                                        grad=lambda s: 40.0 if s == 1 else 1.0)),  # first window
+        an.RunResult(an.Combo("grpo", 1, "none"), 0, rows(steps, mismatch=lambda s: 1e-5,
+                                                          reward=lambda s: 0.8 if s < 10 else 0.3)),
+        an.RunResult(an.Combo("grpo", 1, "r3"), 0, rows(steps, mismatch=lambda s: 3e-5, used=1.0)),
+    ]
+    verdicts = write_report(tmp_path, results, ["setup"], steps, seeds=1)
+    at1, at4 = verdicts
+    # r2 has the lowest mismatch at 4x, but a grad-norm spike; none's KL grew 6x
+    assert at4.startswith("At 4× off-policy (grpo), **r3** was most stable: over 20 steps r3's mismatch KL "
+                          "went 2.00e-05 → 2.00e-05 (1.0×, peak 2.00e-05)")
+    assert "none's mismatch KL went 1.00e-04 → 6.00e-04 (6.0×, peak 6.00e-04)" in at4
+    assert "r2: 1 grad-norm spike(s)" in at4
+    assert "none 97.0% vs 97.0%; r2 97.0% vs 97.0%; r3 97.0% vs 100.0%" in at4
+    assert "**r3**" in at1 and "none: reward collapsed in 1 seed(s) (0.8 → 0.3)" in at1
+    report = (tmp_path / "report.md").read_text()
+    assert "lowest last-window mismatch KL" in report
+    assert "| mismatch KL rollout → learner (k3) |" in report
+
+
+def test_every_run_disqualified_falls_back_to_the_lowest_mismatch():
+    a = an.Stability(an.Combo("gspo", 2, "none"), 1e-5, 3e-5, 3e-5, 1, 0, 0.5, 0.2, None, None)
+    b = an.Stability(an.Combo("gspo", 2, "r2"), 1e-5, 2e-5, 2e-5, 0, 3, 0.5, 0.5, None, None)
+    assert an.most_stable([a, b]) is b
+
+
+def test_seeds_aggregate_as_mean_and_std(tmp_path):
+    results = [an.RunResult(an.Combo("grpo", 1, "r3"), seed, rows(10, mismatch=lambda s, k=seed: 1e-5 * (k + 1)))
+               for seed in range(2)]
+    write_report(tmp_path, results, ["setup"], 10, seeds=2)
+    table = [line.split(",") for line in (tmp_path / "table.csv").read_text().splitlines()]
+    mismatch = next(row for row in table if row[4] == "train/mismatch_k3_kl")
+    assert float(mismatch[5]) == pytest.approx(1.5e-5) and float(mismatch[6]) == pytest.approx(7.071e-6, rel=1e-3)
+    assert "1.50e-05 ± 7.07e-06" in (tmp_path / "table.md").read_text()
+
+
+# ----------------------------------------------------------------------------- arguments
+def test_bad_arguments_and_configs_are_one_line_errors(tmp_path):
+    done = compare(PRESET, "--modes", "none,r4", "--out", tmp_path)
+    assert done.returncode == 2 and "'none,r4': a comma-separated list of none, r2, r3" in done.stderr
+    tool = subprocess.run([sys.executable, REPO / "tools" / "compare_routing_replay.py", PRESET, "--seeds", "0"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert tool.returncode == 2 and "argument --seeds: '0': an integer >= 1" in tool.stderr
+    done = compare(PRESET, "--off-policy", "3", "--out", tmp_path)
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert "config error: run grpo-k3-none-s0: algo.num_minibatches = 3" in done.stderr
+
+
+# ----------------------------------------------------------------------------- Slurm
+def _fake_slurm(tmp_path: Path, state: str) -> Path:
+    """sbatch that numbers its jobs; scontrol that reports every job in `state`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir(exist_ok=True)
+    counter = tmp_path / "jobs"
+    (bin_dir / "sbatch").write_text(f"#!/bin/bash\ncat > /dev/null\nn=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 ))\n"
+                                    f'echo $n > {counter}\necho "$n;cluster"\n')
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "JobId=$4 JobState={state} Reason=None ExitCode=0:0"\n')
+    for tool in ("sbatch", "scontrol"):
+        (bin_dir / tool).chmod(stat.S_IRWXU)
+    return bin_dir
+
+
+def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path):
+    out = tmp_path / "out"
+    args = [PRESET, "--modes", "none,r3", "--steps", "3", "--out", out, "--submit"]
+    env = lambda state: dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
+    first = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
+                           cwd=REPO, capture_output=True, text=True, env=env("RUNNING"), timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert "grpo-k1-none-s0: submitted job 1" in first.stdout and "grpo-k1-r3-s0: submitted job 2" in first.stdout
+    assert "2 of 2 runs queued or running" in first.stdout
+    script = (out / "runs" / "grpo-k1-r3-s0" / "job.sbatch").read_text()
+    assert f"TRAIN=({out / 'runs' / 'grpo-k1-r3-s0' / 'config.yaml'})" in script
+    for name, mismatch in (("grpo-k1-none-s0", 4e-5), ("grpo-k1-r3-s0", 2e-5)):  # what the jobs wrote
+        lines = rows(3, mismatch=lambda s, m=mismatch: m)
+        (out / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    second = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
+                            cwd=REPO, capture_output=True, text=True, env=env("COMPLETED"), timeout=300)
+    assert second.returncode == 0, second.stderr
+    assert "grpo-k1-none-s0: job 1 completed" in second.stdout
+    assert "At 1× off-policy (grpo), r3 was most stable" in second.stdout
+    assert (out / "report.html").exists() and (out / "runs" / "grpo-k1-r3-s0" / "DONE").exists()
+
+
+# ----------------------------------------------------------------------------- real runs
+@pytest.fixture(scope="module")
+def compared(tmp_path_factory):
+    out = tmp_path_factory.mktemp("compare") / "out"
+    done = compare(PRESET, "--modes", "none,r3", "--steps", "3", "--out", out)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return out, done
+
+
+def metrics(out: Path, name: str) -> list[dict]:
+    return an.read_metrics(out / "runs" / name / "metrics.jsonl")
+
+
+def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
+    out, done = compared
+    assert "[1/2] grpo-k1-none-s0" in done.stderr and "[2/2] grpo-k1-r3-s0" in done.stderr  # progress
+    assert "At 1× off-policy (grpo)" in done.stdout and "most stable" in done.stdout
+    table = (out / "table.csv").read_text().splitlines()
+    assert table[0] == "algo,off_policy,mode,seeds,metric,mean,mean_std,last,last_std"
+    for metric in ("reward/mean", "train/policy_loss", "train/clipfrac", "train/approx_kl", "train/mismatch_abs_mean",
+                   "train/mismatch_abs_max", "train/mismatch_k3_kl", "train/routing_agreement_engine",
+                   "train/routing_agreement_engine/layer1", "train/grad_norm", "time/step_s"):
+        assert any(f",none,1,{metric}," in row for row in table) and any(f",r3,1,{metric}," in row for row in table)
+    plots = sorted((out / "plots").glob("*.png"))
+    assert len(plots) >= 10
+    for plot in plots:
+        assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == PNG
+    report = (out / "report.md").read_text()
+    assert "Which mode kept training stable" in report and "Rule: a run is disqualified" in report
+    assert "![mismatch KL rollout → learner (k3)](plots/train_mismatch_k3_kl.png)" in report
+    assert "<img src='plots/reward_mean.png'" in (out / "report.html").read_text()
+    models = {(out / "runs" / name / "model" / "model.safetensors").read_bytes() for name in ("grpo-k1-none-s0", "grpo-k1-r3-s0")}
+    assert len(models) == 1  # the same initial weights
+
+
+def test_r3_routes_as_the_engine_while_natural_routing_differs_under_the_preset(compared):
+    out, _ = compared
+    r3, none = metrics(out, "grpo-k1-r3-s0"), metrics(out, "grpo-k1-none-s0")
+    assert all(m["train/routing_agreement_engine_used"] == 1.0 for m in r3)  # by construction
+    natural = [m["train/routing_agreement_engine"] for m in r3 + none]
+    assert all(0.5 < a <= 1.0 for a in natural) and min(natural) < 1.0  # bf16 engine, fp32 learner
+    assert all(m["train/routing_agreement_engine_used"] == m["train/routing_agreement_engine"] for m in none)
+
+
+def test_an_interrupted_comparison_resumes_without_redoing_finished_runs(compared, tmp_path):
+    out = tmp_path / "out"
+    args = [PRESET, "--modes", "none,r3", "--steps", "3", "--out", out]
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    log = open(tmp_path / "first.log", "w")
+    proc = compare(*args, stdout=log, stderr=subprocess.STDOUT)
+    first_done, second_log = out / "runs" / "grpo-k1-none-s0" / "DONE", out / "runs" / "grpo-k1-r3-s0" / "train.log"
+    deadline = time.monotonic() + 600
+    while not (second_log.exists() and second_log.stat().st_size) and time.monotonic() < deadline:
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        time.sleep(0.2)
+    assert first_done.exists()
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(300) == 130
+    log.close()
+    assert "interrupted; 1 of 2 runs finished and kept" in (tmp_path / "first.log").read_text()
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # its run stopped too
+    kept = first_done.stat().st_mtime_ns, (first_done.parent / "metrics.jsonl").read_bytes()
+    done = compare(*args)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "1 finished earlier, 1 to run" in done.stderr
+    assert (first_done.stat().st_mtime_ns, (first_done.parent / "metrics.jsonl").read_bytes()) == kept
+    # determinism: the same configs, run here and in the other comparison, log the same metrics
+    reference, _ = compared
+    for name in ("grpo-k1-none-s0", "grpo-k1-r3-s0"):
+        ours, theirs = metrics(out, name), metrics(reference, name)
+        assert [m["step"] for m in ours] == [1, 2, 3]
+        for a, b in zip(ours, theirs):
+            assert set(a) == set(b)
+            for key in set(a) - set(TIMING) - set(ROUNDING):
+                assert a[key] == b[key], (name, a["step"], key)
+            for key in ROUNDING:
+                assert a[key] == pytest.approx(b[key], abs=1e-5), (name, a["step"], key)
