@@ -61,6 +61,16 @@ class LoopThread:
     def run(self, coro):
         return self.submit(coro).result()
 
+    def cancel_all(self, timeout_s: float = 30.0) -> None:
+        """Cancels every task on the loop (a batch being filled, groups in flight, restarts)."""
+        async def cancel() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.submit(cancel()).result(timeout_s)
+
     def close(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
         self.thread.join(timeout=30)
@@ -90,6 +100,21 @@ class Run:
 
         hf = read_hf_config(self.model_dir)
         return hf.num_hidden_layers, hf.num_experts_per_tok
+
+    def next_batch(self, pending: concurrent.futures.Future) -> list:
+        """The groups `pending` delivers. If every engine died and came back with initial
+        weights, they get the current ones (as a new policy version) and the batch is asked
+        for again, for the policy that trains next."""
+        from megatron_rlvr.rollout.sampler import EnginesNeedWeights
+
+        while True:
+            try:
+                return pending.result()
+            except EnginesNeedWeights:
+                log.warning("every engine restarted: pushing the current weights as version %d", self.version + 1)
+                self.version += 1
+                self.sync_weights()
+                pending = self.request_batch(self.version)
 
     def request_batch(self, policy_version: int) -> concurrent.futures.Future:
         """The next batch of useful groups, generated on the rollout thread. Synchronous runs
@@ -201,8 +226,8 @@ def _start(run: Run, remote: bool) -> None:
                                 stop_token_ids=[eos] if eos is not None else None)
     shape = run.routing_shape
     num_experts = read_hf_config(run.model_dir).num_experts
-    async def restart(engine: int) -> None:
-        await asyncio.to_thread(run.engines.restart, engine)
+    async def restart(engine: int) -> bool:
+        return await asyncio.to_thread(run.engines.restart, engine)
 
     run.manager = RolloutManager(run.clients, sampling, restart=restart,
                                  routing=RoutingShape(*shape, num_experts) if shape else None)
@@ -227,11 +252,11 @@ def _start(run: Run, remote: bool) -> None:
 
 def _teardown(run: Run) -> None:
     """Every step is attempted, whatever failed before it."""
+    with contextlib.suppress(Exception):
+        run.rollout.cancel_all()  # nothing may submit or send once the clients close
     if run.manager is not None:
         with contextlib.suppress(Exception):
             run.rollout.submit(run.manager.abort_all()).result(timeout=30)
-        with contextlib.suppress(Exception):
-            run.rollout.submit(run.manager.close()).result(timeout=30)
     for client in run.clients:
         with contextlib.suppress(Exception):
             run.rollout.submit(client.close()).result(timeout=10)

@@ -26,7 +26,7 @@ def train(cfg: Config) -> list[dict]:
         pending = run.request_batch(run.version) if first <= steps else None
         for step in range(first, steps + 1):
             started = time.perf_counter()
-            groups = pending.result()
+            groups = run.next_batch(pending)
             if overlap and step < steps:
                 pending = run.request_batch(run.version + 1)
             batch = groups_to_batch(groups, normalize_std=cfg.algo.normalize_std,

@@ -26,8 +26,9 @@ def two_engines(tiny_hf_dir, tmp_path):
 def test_an_engine_killed_mid_rollout_loses_no_group_and_is_restarted(two_engines):
     dead, alive = two_engines
 
-    async def restart(index: int) -> None:
+    async def restart(index: int) -> bool:
         await asyncio.to_thread(two_engines[index].start, 120)
+        return True
 
     async def run():
         clients = [EngineClient(e.url, timeout_s=60, retries=1, backoff_s=0.1) for e in two_engines]

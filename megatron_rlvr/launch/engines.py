@@ -30,10 +30,25 @@ class EngineHost:
         host = node_ip() if bind == "0.0.0.0" else bind
         return f"http://{host}:{self.server.port}"
 
-    def restart(self) -> None:
-        """Same port, fresh process: it comes back with the initial weights (version 0)."""
-        self.server.stop()
+    def restart(self) -> bool:
+        """Same port, fresh process, if the server died or hangs: it comes back with the
+        initial weights (version 0). A server that still answers (slow under load, not dead)
+        is left alone: False."""
+        import subprocess
+
+        import httpx
+
+        try:
+            self.server.proc.wait(timeout=5)  # a killed server may take a moment to be reaped
+        except subprocess.TimeoutExpired:
+            try:
+                if httpx.get(f"{self.server.url}/health", timeout=30).status_code == 200:
+                    return False
+            except httpx.HTTPError:
+                pass
+            self.server.stop()
         self.server.start()
+        return True
 
     def pid(self) -> int | None:
         return self.server.proc.pid if self.server and self.server.proc else None
@@ -85,8 +100,8 @@ class EngineFleet:
         self.urls = urls
         return urls
 
-    def restart(self, index: int) -> None:
-        self._call(index, "restart")
+    def restart(self, index: int) -> bool:
+        return self._call(index, "restart")
 
     def pid(self, index: int) -> int | None:
         return self._call(index, "pid")

@@ -40,7 +40,9 @@ class PromptItem:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], sampling: p.SamplingParams, *,
                  routing: RoutingShape | None = None, max_attempts: int = 3,
-                 restart: Callable[[int], Awaitable[None]] | None = None):
+                 restart: Callable[[int], Awaitable[bool]] | None = None):
+        """restart(engine) brings a dead engine's server back and says whether it had to (a
+        server that is alive but slow to answer is left alone)."""
         if not clients:
             raise ValueError("the rollout manager needs at least one engine")
         self.clients = clients
@@ -79,13 +81,6 @@ class RolloutManager:
         """Aborts every outstanding request; their groups arrive marked aborted."""
         await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy),
                              return_exceptions=True)
-
-    async def close(self) -> None:
-        """Cancels every group still running (and restarts), before the clients close."""
-        tasks = [*self._tasks, *self._restarts]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
     def _pick(self, tried: set[int]) -> int | None:
         usable = [i for i in range(len(self.clients)) if i not in tried and i not in self.restarted]
@@ -154,8 +149,8 @@ class RolloutManager:
 
         async def restart() -> None:
             try:
-                await self.restart(engine)
-                self.restarted.add(engine)
+                if await self.restart(engine):
+                    self.restarted.add(engine)
             except Exception as err:  # the engine stays out; the others carry on
                 log.error("engine %d could not be restarted: %s", engine, err)
             finally:
@@ -164,6 +159,10 @@ class RolloutManager:
         task = asyncio.create_task(restart())
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
+
+    async def wait_for_restarts(self) -> None:
+        if self._restarts:
+            await asyncio.gather(*self._restarts, return_exceptions=True)
 
     async def readmit(self, version: int | str) -> list[int]:
         """Restarted engines that now hold `version` (the weight sync reached them) take

@@ -24,6 +24,11 @@ class RolloutFailed(RuntimeError):
     """Every recent group failed: no engine can serve (the run stops instead of spinning)."""
 
 
+class EnginesNeedWeights(RuntimeError):
+    """Every engine is restarted and waiting for the current weights: only the learner can
+    give them, so the caller syncs and asks again."""
+
+
 Score = Callable[[list[str], list[str]], Awaitable[list[float]]]  # responses, golds → rewards
 
 
@@ -91,6 +96,10 @@ class ActiveSampler:
         """Exactly batch_groups useful groups for training `policy_version`. drain: also wait
         for every group still in flight (they go to the buffer), so none straddles a step."""
         while (useful := await self.buffer.useful(policy_version)) < batch_groups:
+            if self.manager.serving == 0:
+                await self.manager.wait_for_restarts()
+                if self.manager.serving == 0 and self.manager.restarted:
+                    raise EnginesNeedWeights("every engine was restarted and waits for the weights")
             self._top_up(batch_groups - useful)
             await self._file(await self._next_in_order())
         while drain and self._pending:

@@ -61,6 +61,7 @@ class WeightSyncer:
         self.checksums = cfg.checksum if checksums is None else checksums
         self.group = None
         self.members: list[int] = []  # indices of the engines in the current group
+        self.initial_version = initial_version  # what a (re)started engine holds
 
     @property
     def member_clients(self) -> list[EngineClient]:
@@ -90,29 +91,48 @@ class WeightSyncer:
                 raise WeightSyncError(f"engines report weight versions {sorted(versions)}: "
                                       "they must start from one numeric version")
             self.version = int(versions.pop())
+        if self.initial_version is None:
+            self.initial_version = self.version
 
     async def engine_versions(self) -> list[str]:
         """The weight version each member of the group holds."""
         return [info["weight_version"] for info in
                 await asyncio.gather(*(c.model_info() for c in self.member_clients))]
 
-    async def _refresh_members(self) -> list[int]:
-        """Re-forms the group when engines died or came back; returns those that joined."""
-        alive = await asyncio.gather(*(c.health() for c in self.clients))
-        live = [i for i, ok in enumerate(alive) if ok]
+    async def _refresh_members(self, wait_s: float = 300.0) -> list[int]:
+        """Re-forms the group when engines died or came back; returns those that joined.
+        With none answering (all restarting, or a loaded machine), waits up to wait_s."""
+        deadline = time.monotonic() + wait_s
+        while True:
+            alive = await asyncio.gather(*(c.health() for c in self.clients))
+            live = [i for i, ok in enumerate(alive) if ok]
+            if live or time.monotonic() > deadline:
+                break
+            await asyncio.sleep(1.0)
         if not live:
             raise WeightSyncError("no engine is alive to receive weights: "
                                   + ", ".join(c.base_url for c in self.clients))
-        if live == self.members:
+        restarted = await self._restarted([i for i in live if i in self.members])
+        if live == self.members and not restarted:
             return []
         lost = [self.clients[i].base_url for i in self.members if i not in live]
-        joined = [i for i in live if i not in self.members]
+        joined = [i for i in live if i not in self.members or i in restarted]
         log.warning("weight update group re-formed: lost %s, joined %s", lost or "none",
                     [self.clients[i].base_url for i in joined] or "none")
         await asyncio.gather(*(self.clients[i].destroy_weights_update_group(self.group_name)
                                for i in self.members if i in live), return_exceptions=True)
         await self.connect(live)
         return joined
+
+    async def _restarted(self, members: list[int]) -> list[int]:
+        """Members back at the engines' initial version after later syncs: restarted since the
+        last sync (they left the group with their old process). They need the full model,
+        which every sync sends, so they simply join again."""
+        if self.version is None or self.version == self.initial_version:
+            return []
+        infos = await asyncio.gather(*(self.clients[i].model_info() for i in members), return_exceptions=True)
+        return [i for i, info in zip(members, infos)
+                if isinstance(info, dict) and info["weight_version"] == str(self.initial_version)]
 
     async def _check_versions(self, expected: int | None, when: str, skip: tuple[int, ...] = ()) -> None:
         if expected is None:
