@@ -160,6 +160,7 @@ class Stability:
     mismatch_peak: float
     collapses: int  # seeds whose reward collapsed
     spikes: int  # grad-norm spike steps, over all seeds
+    spike_ratio: float  # the largest grad norm after the first window over its run's median
     reward_first: float
     reward_last: float
     natural_agreement: float | None  # learner's natural routing vs engine's, mean over steps
@@ -181,15 +182,18 @@ def _collapsed(rewards: list[float], window: int) -> bool:
     return windows[-1] < max(windows) - COLLAPSE
 
 
-def _spikes(grad_norms: list[float], window: int) -> int:
-    if not grad_norms:
-        return 0
-    median = statistics.median(grad_norms)
-    return sum(g > SPIKE * median for g in grad_norms[window:]) if median > 0 else 0
+def _spikes(grad_norms: list[float], window: int) -> tuple[int, float]:
+    """(spike steps, largest grad norm over the median), both after the first window."""
+    later = grad_norms[window:]
+    median = statistics.median(grad_norms) if grad_norms else 0.0
+    if not later or median <= 0:
+        return 0, 0.0
+    return sum(g > SPIKE * median for g in later), max(later) / median
 
 
 def stability(results: list[RunResult], combo: Combo, window: int) -> Stability:
     runs = [r for r in results if r.combo == combo]
+    spikes = [_spikes(series(r.rows, "train/grad_norm"), window) for r in runs]
 
     def seed_mean(key: str, part: str) -> float | None:
         values = [getattr(r.summaries[key], part) for r in runs if key in r.summaries]
@@ -201,7 +205,8 @@ def stability(results: list[RunResult], combo: Combo, window: int) -> Stability:
         mismatch_last=seed_mean(MISMATCH, "last") or 0.0,
         mismatch_peak=seed_mean(MISMATCH, "peak") or 0.0,
         collapses=sum(_collapsed(series(r.rows, "reward/mean"), window) for r in runs),
-        spikes=sum(_spikes(series(r.rows, "train/grad_norm"), window) for r in runs),
+        spikes=sum(n for n, _ in spikes),
+        spike_ratio=max(ratio for _, ratio in spikes),
         reward_first=seed_mean("reward/mean", "first") or 0.0,
         reward_last=seed_mean("reward/mean", "last") or 0.0,
         natural_agreement=seed_mean(ENGINE_AGREEMENT, "mean"),

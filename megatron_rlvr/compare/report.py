@@ -15,13 +15,13 @@ from megatron_rlvr.compare import analysis as an
 
 MODE_COLORS = {"none": "tab:red", "r2": "tab:orange", "r3": "tab:green"}
 DEGREE_STYLES = ("-", "--", ":", "-.")
-LOG_SCALE = {"train/approx_kl", an.MISMATCH, "train/mismatch_abs_mean", "train/mismatch_abs_max"}
+LOG_SCALE = {"train/approx_kl", an.MISMATCH, "train/mismatch_abs_mean", "train/mismatch_abs_max", "train/grad_norm"}
 
 
-def fmt(value: float) -> str:
+def fmt(value: float, digits: int = 4) -> str:
     if value == 0 or 1e-3 <= abs(value) < 1e4:
-        return f"{value:.4g}"
-    return f"{value:.2e}"
+        return f"{value:.{digits}g}"
+    return f"{value:.{min(digits - 1, 2)}e}"
 
 
 def fmt_pm(mean: float, std: float, seeds: int) -> str:
@@ -77,6 +77,7 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
     combos = sorted({r.combo for r in results})
     degrees = sorted({c.off_policy for c in combos})
     algos = sorted({c.algo for c in combos})
+    modes = sorted({c.mode for c in combos})
     written = []
     for key, label in keys:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -88,7 +89,8 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
             positive = positive and min(mean) > 0
             style = DEGREE_STYLES[degrees.index(combo.off_policy) % len(DEGREE_STYLES)]
             marker = "o" if algos.index(combo.algo) else None
-            (line,) = ax.plot(steps, mean, style, marker=marker, markersize=3,
+            width = max(2.4 - 0.6 * modes.index(combo.mode), 0.8)  # identical curves stay visible
+            (line,) = ax.plot(steps, mean, style, marker=marker, markersize=3, linewidth=width,
                               color=MODE_COLORS.get(combo.mode), label=combo.label())
             if any(std):
                 ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
@@ -119,8 +121,8 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
     c = best.combo
 
     def trend(s: an.Stability) -> str:
-        return (f"{s.combo.mode}'s mismatch KL went {fmt(s.mismatch_first)} → {fmt(s.mismatch_last)} "
-                f"({s.growth:.1f}×, peak {fmt(s.mismatch_peak)})")
+        return (f"{s.combo.mode}'s mismatch KL went {s.mismatch_first:.1e} → {s.mismatch_last:.1e} "
+                f"({s.growth:.1f}×, peak {s.mismatch_peak:.1e})")
 
     others = [s for s in candidates if s is not best]
     text = (f"At {c.off_policy}× off-policy ({c.algo}), **{c.mode}** was most stable: over {steps} steps "
@@ -130,14 +132,16 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
     for s in troubled:
         what = []
         if s.collapses:
-            what.append(f"reward collapsed in {s.collapses} seed(s) ({fmt(s.reward_first)} → {fmt(s.reward_last)})")
+            what.append(f"reward collapsed in {s.collapses} seed(s) ({fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)})")
         if s.spikes:
-            what.append(f"{s.spikes} grad-norm spike(s)")
+            what.append(f"{s.spikes} grad-norm spike(s), up to {s.spike_ratio:.0f}× its median")
         text += f" {s.combo.mode}: {' and '.join(what)}."
     if not troubled:
         text += " No run had a reward collapse or a grad-norm spike."
     elif best.disqualified:
         text += " Every run was disqualified, so the lowest mismatch decided."
+    text += " Reward, first → last window: " + "; ".join(
+        f"{s.combo.mode} {fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}" for s in candidates) + "."
     agreements = [s for s in candidates if s.natural_agreement is not None]
     if agreements:
         text += " Learner/engine routing agreement, natural vs used: " + "; ".join(
