@@ -14,6 +14,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from PIL import Image
 
 from megatron_rlvr.compare import analysis as an
 from megatron_rlvr.compare.report import write_report
@@ -159,6 +160,9 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     assert len(plots) >= 10
     for plot in plots:
         assert plot.stat().st_size > 1000 and plot.read_bytes()[:8] == PNG
+        with Image.open(plot) as image:  # a whole, decodable PNG
+            image.load()
+            assert image.format == "PNG" and image.size[0] > 300
     report = (out / "report.md").read_text()
     assert "Which mode kept training stable" in report and "Rule: a run is disqualified" in report
     assert "![mismatch KL rollout → learner (k3)](plots/train_mismatch_k3_kl.png)" in report
