@@ -127,12 +127,14 @@ def model_dims(model: TinyModel | HFModel) -> ModelDims:
             ]
         )
     try:
+        if "num_experts" not in hf and "num_local_experts" not in hf:
+            raise KeyError("num_experts")
         return ModelDims(
             model_type=model_type,
             num_layers=hf["num_hidden_layers"],
             num_attention_heads=hf["num_attention_heads"],
             num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            num_experts=hf["num_experts"],
+            num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # transformers 5 spells it so
             num_experts_per_tok=hf["num_experts_per_tok"],
         )
     except KeyError as err:

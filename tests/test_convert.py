@@ -28,22 +28,7 @@ SHAPES = {  # every level of every factor; top-1 only without norm_topk_prob (se
                                     tie_word_embeddings=True),
     "e4-top2-plain-untied": TinyModel(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
 }
-# learner/model.py builds every Qwen3-MoE with mbridge's moe_router_pre_softmax=False, i.e.
-# renormalised top-k: under norm_topk_prob=false the learner routes differently from HF (the
-# verify refuses the logits) and top-1 does not build. Strict: these report themselves once
-# make_bridge maps norm_topk_prob to pre-softmax.
-NEEDS_ROUTING_FIX = pytest.mark.xfail(
-    strict=True, raises=ConvertError,
-    reason="learner/model.py make_bridge ignores norm_topk_prob (mbridge 0.15.1 hard-codes pre-softmax off)")
 FP32_LOGIT_DIFF = 1e-5
-
-
-def _hub_spelling(model_dir: Path) -> None:
-    """Spells the expert count as published Qwen3-MoE configs do (num_experts): the run
-    config's model_dims reads that key only, while transformers 5 saves num_local_experts."""
-    config = json.loads((model_dir / "config.json").read_text())
-    config["num_experts"] = config.pop("num_local_experts")
-    (model_dir / "config.json").write_text(json.dumps(config, indent=2))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +39,6 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     dirs = {}
     for name, spec in SHAPES.items():
         dirs[name] = build_tiny_hf_model(spec, tmp_path_factory.mktemp(name), VOCAB)
-        _hub_spelling(dirs[name])
     build_arithmetic_tokenizer(dirs["e4-top2-norm-untied"])  # tokenizer files must travel along
     return dirs
 
@@ -88,8 +72,7 @@ def _safetensors_names(model_dir: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("shape", [pytest.param(s, marks=NEEDS_ROUTING_FIX) if "plain" in s else s
-                                   for s in SHAPES])
+@pytest.mark.parametrize("shape", SHAPES)
 def test_round_trip_at_world1_is_bitwise_and_matches_hf_logits(shape, sources, world1, tmp_path):
     ckpt, to_mcore = world1(shape)
     _assert_round_trip(to_mcore, sources[shape])
@@ -180,6 +163,8 @@ def _edited_copy(src: Path, dst: Path, drop: str | None = None, add: str | None 
         tensors[add] = torch.zeros(4)
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     data = json.loads((dst / "config.json").read_text())
+    if "num_experts" in config and "num_local_experts" in data:  # transformers 5's spelling
+        data["num_local_experts"] = config.pop("num_experts")
     (dst / "config.json").write_text(json.dumps({**data, **config}))
     return dst
 

@@ -73,6 +73,14 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
     base = _bridge_class(hf_config.model_type)
 
     class Bridge(base):
+        def _build_config(self):
+            # mbridge always renormalises the top-k weights (pre_softmax off); HF's
+            # norm_topk_prob=false means softmax over all experts, then top-k as they are.
+            # Set before the first build: mbridge builds and validates in its constructor.
+            self.extra_args.setdefault("moe_router_pre_softmax",
+                                       not getattr(self.hf_config, "norm_topk_prob", True))
+            return super()._build_config()
+
         def _get_transformer_layer_spec(self, vp_stage=None):
             self.has_vp_stage = True
             return get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te,
