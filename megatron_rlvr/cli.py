@@ -42,9 +42,7 @@ def _train(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return err.report()
     if args.dry_run:
         print(to_yaml(cfg), end="")
         return 0
@@ -59,6 +57,8 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_rlvr.rollout.launcher import EngineStartError
     from megatron_rlvr.rollout.sampler import RolloutFailed
     from megatron_rlvr.run import RunError
+    from megatron_rlvr.weight_sync.probe import ParityError
+    from megatron_rlvr.weight_sync.syncer import WeightSyncError
 
     def stop(signum, frame):  # SIGTERM (scancel, kill) shuts down like Ctrl-C: nothing orphaned
         raise KeyboardInterrupt
@@ -66,7 +66,8 @@ def _train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, stop)
     try:
         trainer.train(cfg)
-    except (RunError, ClusterError, EngineStartError, RolloutFailed, FileNotFoundError) as err:
+    except (RunError, ClusterError, EngineStartError, RolloutFailed, WeightSyncError, ParityError,
+            FileNotFoundError) as err:
         cause = getattr(err, "cause", None) or err  # raised inside a Ray actor: the original
         print(f"megatron-rlvr train: {cause}", file=sys.stderr)
         return 2

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
@@ -27,6 +28,12 @@ class ConfigError(ValueError):
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
+
+    def report(self) -> int:
+        """Prints one `config error:` line per problem on stderr; returns the exit code, 2."""
+        for line in self.problems:
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
 
 
 class Section(BaseModel):

@@ -119,9 +119,7 @@ def main(args: argparse.Namespace) -> int:
         verdicts = write_report(out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out),
                                 steps, args.seeds)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return err.report()
     except CompareError as err:
         print(f"megatron-rlvr compare-replay: {err}", file=sys.stderr)
         return 2

@@ -265,9 +265,7 @@ def submit_command(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
-        for line in err.problems:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return err.report()
     try:
         resources = plan(cfg, args.nodes, args.gpus_per_node)
         log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
