@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import functools
 import logging
 import pickle
 import signal
@@ -92,7 +93,7 @@ class Run:
     sampler: object = None
     version: int = 0
 
-    @property
+    @functools.cached_property
     def routing_shape(self) -> tuple[int, int] | None:
         if not self.cfg.rollout.return_routed_experts:
             return None

@@ -50,9 +50,6 @@ class EngineHost:
         self.server.start()
         return True
 
-    def pid(self) -> int | None:
-        return self.server.proc.pid if self.server and self.server.proc else None
-
     def stop(self) -> None:
         if self.server is not None:
             self.server.stop()
@@ -102,9 +99,6 @@ class EngineFleet:
 
     def restart(self, index: int) -> bool:
         return self._call(index, "restart")
-
-    def pid(self, index: int) -> int | None:
-        return self._call(index, "pid")
 
     def stop(self) -> None:
         for index in range(len(self.hosts)):
