@@ -282,8 +282,15 @@ def submit_command(args: argparse.Namespace) -> int:
             print(script, end="")
             return 0
         check_inputs_present(cfg)
-        log_root.mkdir(parents=True, exist_ok=True)
-        job_id = sbatch(script)
+        _slurm_command("sbatch")  # no log folder left behind by a submission that cannot happen
+        created = next((d for d in reversed([log_root, *log_root.parents]) if not d.exists()), None)
+        log_root.mkdir(parents=True, exist_ok=True)  # Slurm writes the timeline there at once
+        try:
+            job_id = sbatch(script)
+        except SubmitError:
+            if created is not None:
+                shutil.rmtree(created, ignore_errors=True)
+            raise
     except SubmitError as err:
         print(f"megatron-rlvr submit: {err}", file=sys.stderr)
         return 2
