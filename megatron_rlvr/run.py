@@ -139,7 +139,9 @@ class Run:
             return {"step": step, "version": self.version, "sampler": self.sampler.state(),
                     "buffer": await self.buffer.state(), "manager": dict(self.manager.stats)}
 
-        (path / RUN_STATE).write_bytes(pickle.dumps(self.rollout.run(rollout_state())))
+        partial = path / (RUN_STATE + ".partial")  # a crash mid-write leaves the last state whole
+        partial.write_bytes(pickle.dumps(self.rollout.run(rollout_state())))
+        partial.replace(path / RUN_STATE)
 
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
