@@ -81,6 +81,13 @@ def gather(refs: list) -> list:
     return ray.get(refs)
 
 
+def call_all(targets: list, method: str, *args, remote: bool) -> list:
+    """method(*args) on every target, which are local objects or (remote) Ray actors."""
+    if not remote:
+        return [getattr(target, method)(*args) for target in targets]
+    return gather([getattr(target, method).remote(*args) for target in targets])
+
+
 class AsyncActor:
     """Awaitable method calls on a Ray actor, so an actor and a local object with async
     methods are interchangeable (the buffer, the verifier)."""

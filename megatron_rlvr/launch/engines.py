@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 
 from megatron_rlvr.config import Config
-from megatron_rlvr.launch.cluster import gather, node_ip
+from megatron_rlvr.launch.cluster import call_all, node_ip
 
 
 class EngineHost:
@@ -73,8 +73,7 @@ class EngineFleet:
         self.urls: list[str] = []
 
     def _call(self, index: int, method: str):
-        host = self.hosts[index]
-        return gather([getattr(host, method).remote()])[0] if self.remote else getattr(host, method)()
+        return call_all(self.hosts[index:index + 1], method, remote=self.remote)[0]
 
     def start(self) -> list[str]:
         urls: list = [None] * len(self.hosts)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_rlvr.config import Config
-from megatron_rlvr.launch.cluster import gather, node_ip
+from megatron_rlvr.launch.cluster import call_all, node_ip
 from megatron_rlvr.learner.batch import TrainBatch
 
 
@@ -108,25 +108,19 @@ class LearnerGroup:
             ranks = [LearnerRank(cfg, str(model_dir), 0, 1)]
         group = cls(ranks, remote)
         try:
-            master = group._call_one(0, "rendezvous_address")
+            master = call_all(ranks[:1], "rendezvous_address", remote=remote)[0]
             version = group._all("setup", master, engine_urls)
         except BaseException:
             group.close()
             raise
         return group, version
 
-    def _call_one(self, rank: int, method: str, *args):
-        if not self.remote:
-            return getattr(self.ranks[rank], method)(*args)
-        return gather([getattr(self.ranks[rank], method).remote(*args)])[0]
-
     def _all(self, method: str, *args):
-        if not self.remote:
-            return [getattr(rank, method)(*args) for rank in self.ranks][0]
-        import ray
+        if self.remote:
+            import ray
 
-        args = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]  # one copy for all ranks
-        return gather([getattr(rank, method).remote(*args) for rank in self.ranks])[0]
+            args = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]  # one copy for all ranks
+        return call_all(self.ranks, method, *args, remote=self.remote)[0]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._all("compute_logprobs", batch)

@@ -10,6 +10,7 @@ import threading
 from collections import Counter
 
 from megatron_rlvr.config import Config
+from megatron_rlvr.launch.cluster import call_all
 from megatron_rlvr.rewards.math import MathVerifier
 
 
@@ -55,12 +56,7 @@ class VerifierPool:
 
     def take_reasons(self) -> dict[str, int]:
         """Verdicts of each kind (numeric_equal, timeout, parse_error, ...) since the last call."""
-        if self.remote:
-            from megatron_rlvr.launch.cluster import gather
-
-            per_worker = gather([w.take_reasons.remote() for w in self.workers])
-        else:
-            per_worker = [w.take_reasons() for w in self.workers]
+        per_worker = call_all(self.workers, "take_reasons", remote=self.remote)
         return dict(sum((Counter(c) for c in per_worker), Counter()))
 
     def close(self) -> None:

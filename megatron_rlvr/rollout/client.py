@@ -89,8 +89,8 @@ class EngineClient:
             return False
         return True
 
-    async def model_info(self) -> dict:
-        return await self._request("GET", "/model_info")
+    async def model_info(self, retries: int | None = None) -> dict:
+        return await self._request("GET", "/model_info", retries=retries)
 
     # ------------------------------------------------------------------ weight updates
     async def init_weights_update_group(self, req: p.InitWeightsUpdateGroupReqInput) -> None:

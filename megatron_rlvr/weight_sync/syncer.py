@@ -99,22 +99,32 @@ class WeightSyncer:
         return [info["weight_version"] for info in
                 await asyncio.gather(*(c.model_info() for c in self.member_clients))]
 
-    async def _refresh_members(self, wait_s: float = 300.0) -> list[int]:
-        """Re-forms the group when engines died or came back; returns those that joined.
-        With none answering (all restarting, or a loaded machine), waits up to wait_s."""
+    async def _survey(self, wait_s: float) -> dict[int, str]:
+        """The weight version of every engine that answers; with none answering (all
+        restarting, or a loaded machine), waits up to wait_s."""
         deadline = time.monotonic() + wait_s
         while True:
-            alive = await asyncio.gather(*(c.health() for c in self.clients))
-            live = [i for i, ok in enumerate(alive) if ok]
-            if live or time.monotonic() > deadline:
-                break
+            infos = await asyncio.gather(*(c.model_info(retries=0) for c in self.clients),
+                                         return_exceptions=True)
+            held = {i: info["weight_version"] for i, info in enumerate(infos) if isinstance(info, dict)}
+            if held or time.monotonic() > deadline:
+                return held
             await asyncio.sleep(1.0)
-        if not live:
+
+    async def _refresh_members(self, wait_s: float = 300.0) -> tuple[list[int], dict[int, str]]:
+        """Re-forms the group when engines died or came back; returns those that joined and
+        the version every live engine holds. A member back at the initial version after
+        later syncs was restarted (its old process left the group): it needs the full
+        model, which every sync sends, so it simply joins again."""
+        held = await self._survey(wait_s)
+        if not held:
             raise WeightSyncError("no engine is alive to receive weights: "
                                   + ", ".join(c.base_url for c in self.clients))
-        restarted = await self._restarted([i for i in live if i in self.members])
+        live = sorted(held)
+        restarted = [] if self.version == self.initial_version else [
+            i for i in live if i in self.members and held[i] == str(self.initial_version)]
         if live == self.members and not restarted:
-            return []
+            return [], held
         lost = [self.clients[i].base_url for i in self.members if i not in live]
         joined = [i for i in live if i not in self.members or i in restarted]
         log.warning("weight update group re-formed: lost %s, joined %s", lost or "none",
@@ -122,23 +132,17 @@ class WeightSyncer:
         await asyncio.gather(*(self.clients[i].destroy_weights_update_group(self.group_name)
                                for i in self.members if i in live), return_exceptions=True)
         await self.connect(live)
-        return joined
+        return joined, held
 
-    async def _restarted(self, members: list[int]) -> list[int]:
-        """Members back at the engines' initial version after later syncs: restarted since the
-        last sync (they left the group with their old process). They need the full model,
-        which every sync sends, so they simply join again."""
-        if self.version is None or self.version == self.initial_version:
-            return []
-        infos = await asyncio.gather(*(self.clients[i].model_info() for i in members), return_exceptions=True)
-        return [i for i, info in zip(members, infos)
-                if isinstance(info, dict) and info["weight_version"] == str(self.initial_version)]
-
-    async def _check_versions(self, expected: int | None, when: str, skip: tuple[int, ...] = ()) -> None:
+    async def _check_versions(self, expected: int | None, when: str, skip: tuple[int, ...] = (),
+                              held: dict[int, str] | None = None) -> None:
+        """held: versions already read (index → version); otherwise they are asked for."""
         if expected is None:
             return
-        for index, version in zip(self.members, await self.engine_versions()):
-            client = self.clients[index]
+        if held is None:
+            held = dict(zip(self.members, await self.engine_versions()))
+        for index in self.members:
+            client, version = self.clients[index], held[index]
             if index not in skip and version != str(expected):
                 raise WeightSyncError(
                     f"engine {client.base_url} holds weight version {version} {when}, expected "
@@ -151,8 +155,8 @@ class WeightSyncer:
             raise WeightSyncError("connect() first")
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than the last sync ({self.version})")
-        joined = await self._refresh_members()  # they hold initial weights: no version check
-        await self._check_versions(self.version, "before the sync", skip=tuple(joined))
+        joined, held = await self._refresh_members()  # joiners hold initial weights: not checked
+        await self._check_versions(self.version, "before the sync", skip=tuple(joined), held=held)
         start = time.perf_counter()
         await self._all("pause", lambda c: c.pause(self.cfg.pause_mode))
         try:
