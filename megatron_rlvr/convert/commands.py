@@ -170,14 +170,14 @@ def _round_trip(ckpt: Path, out: Path, dtype: str, tied: bool) -> dict:
     import torch
 
     from megatron_rlvr.convert.hf_files import compare_bitwise
-    from megatron_rlvr.learner.model import _HFReader
+    from megatron_rlvr.learner.model import HFReader
 
     record = ckpt / CONVERT_JSON
     source = Path(json.loads(record.read_text())["source"]) if record.is_file() else None
     if source is None or not any(source.glob("*.safetensors")):
         return {"round_trip": "no HF source recorded or found: tensors not compared"}
-    produced = _HFReader(out)
-    figures = compare_bitwise(((n, produced.get(n)) for n in sorted(produced.names())), _HFReader(source),
+    produced = HFReader(out)
+    figures = compare_bitwise(((n, produced.get(n)) for n in sorted(produced.names())), HFReader(source),
                               getattr(torch, dtype), tied=tied, label=str(source))
     _require_bitwise(figures)
     return {**figures, "round_trip": str(source)}

@@ -97,7 +97,7 @@ def _logits(modules, tokens: list, workdir: str) -> None:
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
     from megatron_rlvr.learner.batch import TrainBatch
-    from megatron_rlvr.learner.forward import _run_schedule
+    from megatron_rlvr.learner.forward import run_schedule
 
     ids = torch.tensor(tokens)
     for model in modules:
@@ -107,7 +107,7 @@ def _logits(modules, tokens: list, workdir: str) -> None:
         return gather_from_tensor_model_parallel_region(output).float().cpu()
 
     with torch.no_grad():
-        outputs = _run_schedule(modules, [TrainBatch(ids, torch.zeros(ids.shape))], collect,
+        outputs = run_schedule(modules, [TrainBatch(ids, torch.zeros(ids.shape))], collect,
                                 forward_only=True, collect=True)
     if (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
             and mpu.get_data_parallel_rank() == 0):
@@ -122,7 +122,7 @@ def hf_to_mcore(job: dict) -> dict:
 
     from megatron_rlvr.convert.hf_files import compare_bitwise
     from megatron_rlvr.learner.checkpoint import load_model, save_model
-    from megatron_rlvr.learner.model import _HFReader, export_hf_weights, read_hf_config
+    from megatron_rlvr.learner.model import HFReader, export_hf_weights, read_hf_config
 
     hf_config = read_hf_config(job["hf"])
     dtype = getattr(torch, job["dtype"])
@@ -138,7 +138,7 @@ def hf_to_mcore(job: dict) -> dict:
     export = _by_layer(export_hf_weights(modules, bridge), hf_config.num_hidden_layers, "verifying")
     figures = {}
     if int(os.environ["RANK"]) == 0:
-        figures = compare_bitwise(export, _HFReader(job["hf"]), dtype,
+        figures = compare_bitwise(export, HFReader(job["hf"]), dtype,
                                   tied=hf_config.tie_word_embeddings, label=job["hf"])
     else:
         for _ in export:  # collective: every rank takes part in every gather

@@ -57,7 +57,7 @@ class MicroBatchHooks(Protocol):
     def after_forward(self, index: int, mb: TrainBatch, output: torch.Tensor) -> None: ...
 
 
-def _run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool,
+def run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool,
                   hooks: MicroBatchHooks | None = None, first_index: int = 0):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -96,7 +96,7 @@ def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float,
         return token_logprobs(output, mb.input_ids.to(output.device), temperature).detach()
 
     with torch.no_grad():
-        outputs = _run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
+        outputs = run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
     return torch.cat(outputs).cpu() if mpu.is_pipeline_last_stage() else None
 
 
@@ -147,7 +147,7 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
         metrics["tokens"] = mask.sum().detach()
         return loss * scale, metrics
 
-    return _run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks,
+    return run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks,
                          first_index=first_index)
 
 

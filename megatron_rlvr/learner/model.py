@@ -184,7 +184,7 @@ class CheckpointMismatch(ValueError):
     pass
 
 
-class _HFReader:
+class HFReader:
     """Lazy tensor access across the checkpoint's safetensors files."""
 
     def __init__(self, hf_dir: str | Path):
@@ -217,7 +217,7 @@ def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -
     reads only the tensors it holds (its stage's layers, its experts) and slices its TP part."""
     from megatron.core import parallel_state as mpu
 
-    reader = _HFReader(hf_dir)
+    reader = HFReader(hf_dir)
     tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
     for module in chunks:
         for local_name, param in _params(module):
