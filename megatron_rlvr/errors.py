@@ -1,0 +1,16 @@
+"""The one family of errors meant for the person running a command.
+
+A UserError's message is one line that names what is wrong (a config field, a file and
+line, an engine, a rank) and, where there is one, what to do. The command line prints it as
+`megatron-rlvr <command>: <message>` and exits 2, without a traceback. Anything else that
+escapes is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+
+class UserError(Exception):
+    """Base of every error a user can act on (bad config, missing file, an engine that cannot
+    start, a checkpoint that does not fit). Subclass it; never raise it bare."""
+
+    exit_code = 2
