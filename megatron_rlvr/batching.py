@@ -3,6 +3,8 @@ logprobs at their token positions, group-relative advantages, and (R3) the engin
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from megatron_rlvr.algo.advantages import group_advantages
@@ -12,8 +14,12 @@ from megatron_rlvr.samples import Group
 
 
 def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0,
-                    routing: tuple[int, int] | None = None) -> TrainBatch:
-    """routing: (num_layers, top_k) to carry the engine's routed experts (R3)."""
+                    routing: tuple[int, int] | None = None, slots: int = 1,
+                    micro_batch_size: int | None = None) -> TrainBatch:
+    """routing: (num_layers, top_k) to carry the engine's routed experts (R3). slots: the
+    learner's mini-batches × data-parallel ranks, each a contiguous run of rows: a batch that
+    does not fill them evenly (a short batch at the generation bound) is laid out by
+    spread_over_slots."""
     samples = [s for g in groups for s in g.samples]
     width = max(len(s.prompt_ids) + len(s.response_ids) for s in samples)
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
@@ -36,4 +42,30 @@ def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0
         batch.routed_experts = pack_routed_experts(
             [s.routed_experts for s in samples], [len(s.prompt_ids) + len(s.response_ids) for s in samples],
             width, num_layers=layers, top_k=top_k, sample_ids=[f"{s.group_id}/{s.index}" for s in samples])
-    return batch
+    return spread_over_slots(batch, slots, micro_batch_size)
+
+
+def spread_over_slots(batch: TrainBatch, slots: int, micro_batch_size: int | None) -> TrainBatch:
+    """Lays the rows out so that each of `slots` equal contiguous runs holds real rows (as
+    evenly as they go) followed by padding rows, and each run splits into whole micro-batches.
+    A padding row repeats a real one with an empty response mask: it counts in no loss,
+    normaliser or metric. A batch that already fits is returned as it is."""
+    rows = batch.size
+    per_slot = math.ceil(rows / slots)
+    if micro_batch_size and per_slot > micro_batch_size:
+        per_slot = math.ceil(per_slot / micro_batch_size) * micro_batch_size
+    if per_slot * slots == rows:
+        return batch
+    base, extra = divmod(rows, slots)
+    index, real = [], []
+    cursor = 0
+    for slot in range(slots):
+        take = base + (slot < extra)
+        index.extend(range(cursor, cursor + take))
+        real.extend([True] * take)
+        index.extend([max(cursor + take - 1, 0)] * (per_slot - take))
+        real.extend([False] * (per_slot - take))
+        cursor += take
+    laid_out = batch.select(torch.tensor(index))
+    laid_out.response_mask[~torch.tensor(real)] = 0
+    return laid_out

@@ -9,6 +9,7 @@ from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.config import ConfigError, load_config, to_yaml
 from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.launch import slurm
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 # Subcommands whose implementation lands with a later capability, and which one.
 NOT_YET = {
@@ -38,7 +39,7 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _train(args: argparse.Namespace) -> int:
+def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as err:
@@ -47,7 +48,6 @@ def _train(args: argparse.Namespace) -> int:
         print(to_yaml(cfg), end="")
         return 0
     import logging
-    import signal
 
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("megatron_rlvr").setLevel(cfg.logging.level)  # ours; libraries stay quiet
@@ -60,20 +60,22 @@ def _train(args: argparse.Namespace) -> int:
     from megatron_rlvr.weight_sync.probe import ParityError
     from megatron_rlvr.weight_sync.syncer import WeightSyncError
 
-    def stop(signum, frame):  # SIGTERM (scancel, kill) shuts down like Ctrl-C: nothing orphaned
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
     try:
-        trainer.train(cfg)
+        outcome = trainer.train(cfg, stop)
     except (RunError, ClusterError, EngineStartError, RolloutFailed, WeightSyncError, ParityError,
             FileNotFoundError) as err:
         cause = getattr(err, "cause", None) or err  # raised inside a Ray actor: the original
         print(f"megatron-rlvr train: {cause}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("megatron-rlvr train: interrupted; every component was stopped", file=sys.stderr)
+    except StopRequested as err:
+        print(f"megatron-rlvr train: {err}; every component was stopped", file=sys.stderr)
         return 130
+    if outcome.message:
+        print(f"megatron-rlvr train: {outcome.message}", file=sys.stderr)
+    if outcome.teardown_failures:  # the training finished; what failed is in the log above
+        print(f"megatron-rlvr train: finished, but stopping failed for: {', '.join(outcome.teardown_failures)}",
+              file=sys.stderr)
+        return 1
     return 0
 
 
@@ -91,14 +93,17 @@ def main(argv: list[str] | None = None) -> int:
         args.args = [*args.args, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "train":
-        return _train(args)
-    if args.command == "compare-replay":
-        return compare_replay.main(args)
-    if args.command == "convert":
-        return convert.main(args)
     if args.command == "submit":
         return slurm.submit_command(args)
+    # Long-running commands: Ctrl-C and SIGTERM are recorded, never raised where they land
+    # (see stopping.py); each command looks at the request at its safe points.
+    stop = StopSignals().install()
+    if args.command == "train":
+        return _train(args, stop)
+    if args.command == "compare-replay":
+        return compare_replay.main(args, stop)
+    if args.command == "convert":
+        return convert.main(args, stop)
     print(f"megatron-rlvr {args.command}: not available yet ({NOT_YET[args.command]})",
           file=sys.stderr)
     return 2

@@ -260,11 +260,34 @@ class RolloutConfig(Section):
 
 
 # ----------------------------------------------------------------------------- buffer
+class PromptSkipConfig(Section):
+    """Skip, before rollout, prompts whose recent groups were all zero-std (GRESO): a prompt
+    with k such groups in a row is skipped with probability min(max_probability,
+    1 - explore^k), so it is still probed now and then."""
+
+    enabled: bool = Field(False, description="skip prompts that keep giving zero-std groups")
+    explore_solved: float = Field(
+        0.5, gt=0.0, le=1.0, description="explore rate of always-solved prompts (1: never skip them)"
+    )
+    explore_unsolved: float = Field(
+        0.5, gt=0.0, le=1.0, description="explore rate of never-solved prompts (1: never skip them)"
+    )
+    max_probability: float = Field(
+        0.9, ge=0.0, lt=1.0, description="cap on the skip probability (< 1: every prompt is probed again)"
+    )
+
+
 class BufferConfig(Section):
     batch_groups: PositiveInt = Field(8, description="useful prompt groups per step")
     zero_std_eps: float = Field(1e-6, ge=0.0, description="groups with reward std <= eps drop")
     max_staleness: int = Field(1, ge=0, description="policy versions a group may lag")
     async_rollout: bool = Field(False, description="generate step k+1 while training step k")
+    max_generated_groups_per_step: PositiveInt | None = Field(
+        None, description="most prompt groups one step may generate; at the bound the step trains on the "
+        "useful groups it has (a short batch, counted), and a bound spent without enough useful groups "
+        "ends the run with a checkpoint; None: 64 x batch_groups",
+    )
+    skip_prompts: PromptSkipConfig = Field(default_factory=PromptSkipConfig)
 
 
 # ----------------------------------------------------------------------------- weight sync
@@ -415,6 +438,12 @@ def _cross_field_problems(cfg: Config, dims: ModelDims) -> list[str]:
             f"rollout.n_samples_per_prompt = {samples} samples must split evenly into "
             f"num_minibatches · parallel.dp = {per_step} parts"
         )
+    bound = cfg.buffer.max_generated_groups_per_step
+    if bound is not None and bound < cfg.buffer.batch_groups:
+        problems.append(
+            f"buffer.max_generated_groups_per_step = {bound}: must be >= buffer.batch_groups "
+            f"({cfg.buffer.batch_groups}), or no step could fill its batch"
+        )
     if cfg.launch.mode == "local" and p.tp * p.pp * p.dp != 1:
         problems.append(
             f"launch.mode = local: runs one learner rank, but tp·pp·dp = {p.tp}·{p.pp}·{p.dp} "
@@ -450,6 +479,8 @@ def resolve(cfg: Config) -> Config:
         cfg.rollout.return_routed_experts = cfg.algo.routing_replay == "r3"
     if cfg.rollout.seeded_sampling is None:
         cfg.rollout.seeded_sampling = isinstance(cfg.rollout.engine, CpuEngine)
+    if cfg.buffer.max_generated_groups_per_step is None:
+        cfg.buffer.max_generated_groups_per_step = 64 * cfg.buffer.batch_groups
     if cfg.weight_sync.backend == "auto":
         cfg.weight_sync.backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
     _raise(_cross_field_problems(cfg, model_dims(cfg.model)))

@@ -14,14 +14,15 @@ import concurrent.futures
 import contextlib
 import functools
 import logging
+import math
 import pickle
-import signal
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rlvr.config import Config, HFModel, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
+from megatron_rlvr.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 RUN_STATE = "run_state.pkl"  # beside the learner's checkpoint: rollout side of a resume
@@ -83,6 +84,7 @@ class Run:
     cfg: Config
     model_dir: Path
     tokenizer: object
+    stop: StopSignals
     rollout: LoopThread = field(default_factory=LoopThread)
     engines: object = None
     learners: object = None
@@ -92,6 +94,10 @@ class Run:
     verifiers: object = None
     sampler: object = None
     version: int = 0
+    finished_step: int = 0  # the last step whose metrics were logged
+    saved_step: int = 0  # the step of the checkpoint on disk (0: none)
+    _rollout_snapshot: dict | None = None  # the rollout side as it was when finished_step ended
+    teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
 
     @functools.cached_property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -103,14 +109,14 @@ class Run:
         return hf.num_hidden_layers, hf.num_experts_per_tok
 
     def next_batch(self, pending: concurrent.futures.Future) -> list:
-        """The groups `pending` delivers. If every engine died and came back with initial
-        weights, they get the current ones (as a new policy version) and the batch is asked
-        for again, for the policy that trains next."""
+        """The groups `pending` delivers (a stop request ends the wait). If every engine died
+        and came back with initial weights, they get the current ones (as a new policy
+        version) and the batch is asked for again, for the policy that trains next."""
         from megatron_rlvr.rollout.sampler import EnginesNeedWeights
 
         while True:
             try:
-                return pending.result()
+                return self.stop.result(pending, "the next batch of rollouts")
             except EnginesNeedWeights:
                 log.warning("every engine restarted: pushing the current weights as version %d", self.version + 1)
                 self.version += 1
@@ -128,20 +134,40 @@ class Run:
         """Pushes the learner's weights to every live engine as the current version; engines
         restarted since the last sync get them too and take work again."""
         metrics = self.learners.sync_weights(self.version)
-        self.rollout.run(self.manager.readmit(self.version))
+        self.stop.result(self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin",
+                         urgent_only=True)
         return metrics
 
-    def save(self, step: int) -> None:
-        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
-        self.learners.save(path)
-
+    def finish_step(self, step: int, *, save: bool) -> None:
+        """Records the rollout side as it is at the end of `step` (what a checkpoint of this
+        step holds, even if written later, after a stop request) and saves if asked."""
         async def rollout_state() -> dict:
             return {"step": step, "version": self.version, "sampler": self.sampler.state(),
                     "buffer": await self.buffer.state(), "manager": dict(self.manager.stats)}
 
-        partial = path / (RUN_STATE + ".partial")  # a crash mid-write leaves the last state whole
-        partial.write_bytes(pickle.dumps(self.rollout.run(rollout_state())))
+        self._rollout_snapshot = self.rollout.run(rollout_state())
+        self.finished_step = step
+        if save:
+            self.save()
+
+    def save(self) -> None:
+        """A checkpoint of the last finished step: the learner's, and the rollout side's
+        beside it (written whole or not at all: a crash mid-write keeps the previous one)."""
+        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
+        self.learners.save(path)
+        partial = path / (RUN_STATE + ".partial")
+        partial.write_bytes(pickle.dumps(self._rollout_snapshot))
         partial.replace(path / RUN_STATE)
+        self.saved_step = self.finished_step
+
+    def save_last(self) -> str:
+        """Saves the last finished step unless it is on disk already; says where it stands."""
+        if self.finished_step == 0:
+            return "no step had finished: nothing to save"
+        if self.saved_step < self.finished_step:
+            self.save()
+        return (f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / 'checkpoint'} "
+                "(continue with trainer.resume=true)")
 
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
@@ -163,17 +189,21 @@ class Run:
 
         self.rollout.run(restore())
         self.version = state["version"]
+        self.finished_step = self.saved_step = step
+        self._rollout_snapshot = state
         self.sync_weights()
         log.info("resumed from %s at step %d (policy version %d)", path, step, self.version)
         return step
 
 
 @contextlib.contextmanager
-def open_run(cfg: Config):
-    """Starts every component; stops every one of them on exit, error or Ctrl-C."""
+def open_run(cfg: Config, stop: StopSignals):
+    """Starts every component (a stop request during start-up ends it at the next wait);
+    stops every one of them on exit, error or stop request."""
     from megatron_rlvr.launch.cluster import ray_session
 
     remote = cfg.launch.mode == "ray"
+    stop.check("before start-up")
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
     with contextlib.ExitStack() as cluster:
@@ -181,29 +211,14 @@ def open_run(cfg: Config):
         try:
             if remote:
                 cluster.enter_context(ray_session(cfg))
-            run = Run(cfg, model_dir, tokenizer)
+            stop.check("while Ray started")
+            run = Run(cfg, model_dir, tokenizer, stop)
             _start(run, remote)
             yield run
         finally:
-            with _signals_held():
-                if run is not None:
-                    _teardown(run)
-                cluster.close()  # Ray last: actors first, then its daemons
-
-
-@contextlib.contextmanager
-def _signals_held():
-    """A second Ctrl-C (or SIGTERM) during teardown would cut it short and orphan what is
-    left: both wait until it is done."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    held = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in held.items():
-            signal.signal(sig, handler)
+            if run is not None:
+                _teardown(run)
+            cluster.close()  # Ray last: actors first, then its daemons
 
 
 def _start(run: Run, remote: bool) -> None:
@@ -216,12 +231,13 @@ def _start(run: Run, remote: bool) -> None:
     from megatron_rlvr.rollout import protocol as p
     from megatron_rlvr.rollout.client import EngineClient
     from megatron_rlvr.rollout.manager import RolloutManager, RoutingShape
+    from megatron_rlvr.rollout.prompt_history import PromptHistory
     from megatron_rlvr.rollout.sampler import ActiveSampler
 
     cfg, tokenizer = run.cfg, run.tokenizer
     run.engines = EngineFleet(cfg, run.model_dir, remote=remote)
-    urls = run.engines.start()
-    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, remote=remote)
+    urls = run.engines.start(run.stop)
+    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, remote=remote, stop=run.stop)
     run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
     eos = tokenizer.eos_token_id
     sampling = p.SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -246,29 +262,45 @@ def _start(run: Run, remote: bool) -> None:
     for number, reason in data.skipped:
         log.warning("data line %d skipped: %s", number, reason)
     bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
+    skip = cfg.buffer.skip_prompts
+    history = PromptHistory(enabled=skip.enabled, explore_solved=skip.explore_solved,
+                            explore_unsolved=skip.explore_unsolved, max_skip_probability=skip.max_probability,
+                            seed=cfg.trainer.seed)
+    # the fewest useful groups a short batch may have: one real sample per mini-batch and rank
+    min_groups = math.ceil(cfg.algo.num_minibatches * cfg.parallel.dp / cfg.rollout.n_samples_per_prompt)
     run.sampler = ActiveSampler(
         run.manager, run.buffer, data.records, score=run.verifiers, seed=cfg.trainer.seed,
-        seeded=bool(cfg.rollout.seeded_sampling),
+        seeded=bool(cfg.rollout.seeded_sampling), history=history,
+        max_groups=cfg.buffer.max_generated_groups_per_step, min_groups=min_groups,
         encode=lambda text: bos + tokenizer.encode(text, add_special_tokens=False),
         decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
 def _teardown(run: Run) -> None:
-    """Every step is attempted, whatever failed before it."""
-    with contextlib.suppress(Exception):
-        run.rollout.cancel_all()  # nothing may submit or send once the clients close
-    if run.manager is not None:
-        with contextlib.suppress(Exception):
-            run.rollout.submit(run.manager.abort_all()).result(timeout=30)
+    """Stops every component, in order, each step attempted whatever failed before it (and
+    logged with the component it came from). After a second stop request nothing waits
+    gracefully: requests are not aborted, and processes are killed rather than asked."""
+    urgent = run.stop.urgent
+    failures: list[str] = []
+
+    def attempt(what: str, action) -> None:
+        try:
+            action()
+        except Exception as err:  # every later step still runs; the run's exit says it failed
+            log.error("teardown: %s failed: %s: %s", what, type(err).__name__, err)
+            failures.append(what)
+
+    attempt("cancelling the rollout tasks", lambda: run.rollout.cancel_all(timeout_s=2 if urgent else 30))
+    if run.manager is not None and not urgent:
+        attempt("aborting requests in flight", lambda: run.rollout.submit(run.manager.abort_all()).result(timeout=30))
     for client in run.clients:
-        with contextlib.suppress(Exception):
-            run.rollout.submit(client.close()).result(timeout=10)
-    run.rollout.close()
+        attempt(f"closing the client of {client.base_url}",
+                lambda client=client: run.rollout.submit(client.close()).result(timeout=10))
+    attempt("stopping the rollout thread", run.rollout.close)
     if run.learners is not None:
-        with contextlib.suppress(Exception):
-            run.learners.close()
+        attempt("closing the learner ranks", lambda: run.learners.close(graceful=not urgent))
     if run.verifiers is not None:
-        with contextlib.suppress(Exception):
-            run.verifiers.close()
+        attempt("closing the verifier workers", run.verifiers.close)
     if run.engines is not None:
-        run.engines.stop()
+        attempt("stopping the engines", lambda: run.engines.stop(graceful=not urgent))
+    run.teardown_failures = failures

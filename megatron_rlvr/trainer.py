@@ -10,58 +10,88 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import dataclass, field
 
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import Config
 from megatron_rlvr.reporting import RunReport
+from megatron_rlvr.rollout.sampler import NothingToLearn
 from megatron_rlvr.run import Run, open_run
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 
-def train(cfg: Config) -> list[dict]:
-    history: list[dict] = []
+@dataclass
+class Outcome:
+    history: list[dict] = field(default_factory=list)  # every step's metrics, in order
+    message: str = ""  # why the run ended early, when it did without an error
+    teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
+
+
+def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
+    """Runs the loop until trainer.steps, a stop request (StopRequested, after a checkpoint of
+    the last finished step unless the request was urgent) or a data set with nothing left to
+    teach (the outcome says so, after a checkpoint)."""
+    stop = stop or StopSignals()
+    outcome = Outcome()
     steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout
-    with open_run(cfg) as run:
+    with open_run(cfg, stop) as run:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
         report = RunReport(cfg.trainer.output_dir, steps, first_step=first, tensorboard=cfg.logging.tensorboard)
-        pending = run.request_batch(run.version) if first <= steps else None
-        for step in range(first, steps + 1):
-            started = time.perf_counter()
-            groups = run.next_batch(pending)
-            if overlap and step < steps:
-                pending = run.request_batch(run.version + 1)
-            batch = groups_to_batch(groups, normalize_std=cfg.algo.normalize_std,
-                                    pad_id=run.tokenizer.pad_token_id or 0, routing=run.routing_shape)
-            batch.old_logprobs = run.learners.compute_logprobs(batch)
-            learner_metrics = run.learners.train_step(batch)
-            run.version += 1
-            sync_metrics = run.sync_weights()
-            metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
-                                   report.last)
-            report.log(metrics)
-            history.append(metrics)
-            if step == steps or (cfg.trainer.save_interval and step % cfg.trainer.save_interval == 0):
-                run.save(step)
-            if not overlap and step < steps:  # after the metrics and the checkpoint it belongs to
-                pending = run.request_batch(run.version)
-        report.close()
-    return history
+        try:
+            pending = run.request_batch(run.version) if first <= steps else None
+            for step in range(first, steps + 1):
+                started = time.perf_counter()
+                groups = run.next_batch(pending)
+                stop.check(f"before step {step}")
+                if overlap and step < steps:
+                    pending = run.request_batch(run.version + 1)
+                batch = groups_to_batch(groups, normalize_std=cfg.algo.normalize_std,
+                                        pad_id=run.tokenizer.pad_token_id or 0, routing=run.routing_shape,
+                                        slots=cfg.algo.num_minibatches * cfg.parallel.dp,
+                                        micro_batch_size=cfg.trainer.micro_batch_size)
+                batch.old_logprobs = run.learners.compute_logprobs(batch)
+                learner_metrics = run.learners.train_step(batch)
+                run.version += 1
+                sync_metrics = run.sync_weights()
+                metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
+                                       report.last, len(groups))
+                report.log(metrics)
+                outcome.history.append(metrics)
+                run.finish_step(step, save=step == steps or (cfg.trainer.save_interval > 0
+                                                               and step % cfg.trainer.save_interval == 0))
+                stop.check(f"after step {step}")
+                if not overlap and step < steps:  # after the metrics and the checkpoint it belongs to
+                    pending = run.request_batch(run.version)
+        except NothingToLearn as err:
+            outcome.message = f"{err}. {run.save_last()}"
+        except StopRequested as err:
+            err.args = (f"{err}; {run.save_last() if not stop.urgent else 'second signal: no checkpoint'}",)
+            raise
+        finally:
+            report.close()
+    outcome.teardown_failures = run.teardown_failures
+    return outcome
 
 
-def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, previous: dict | None) -> dict:
+def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, previous: dict | None,
+                 batch_groups: int) -> dict:
     """previous: the last step's metrics. A step trained from the buffer's surplus alone scores
     no new sample: its reward/mean is carried over (and reward/samples says 0)."""
     async def rollout_side() -> tuple:
-        return run.sampler.take_rewards(), await run.buffer.stats(), dict(run.manager.stats)
+        return (run.sampler.take_rewards(), run.sampler.step_stats(), await run.buffer.stats(),
+                dict(run.manager.stats))
 
-    (rewards, tokens), buffer, engines = run.rollout.run(rollout_side())
+    (rewards, tokens), sampling, buffer, engines = run.rollout.run(rollout_side())
     return {
         "step": step,
         "reward/mean": statistics.fmean(rewards) if rewards else (previous or {}).get("reward/mean", 0.0),
         "reward/samples": len(rewards),
         "rollout/tokens": tokens,
+        "buffer/batch_groups": batch_groups,
         "buffer/kept_groups": buffer["kept"],
         "buffer/dropped_zero_std": buffer["dropped_zero_std"],
         **{f"buffer/{k}": v for k, v in buffer.items() if k not in ("kept", "dropped_zero_std")},
+        **sampling,
         "rollout/moved_groups": engines.get("moved", 0),
         "rollout/engines_serving": run.manager.serving,
         **{f"verifier/{reason}": n for reason, n in sorted(run.verifiers.take_reasons().items())},

@@ -3,7 +3,7 @@
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
 Scenarios: parity (logprobs vs HF, one train step, export), ckpt-save, ckpt-load, descent,
-replay-r2, replay-r3, replay-r3-perturbed.
+replay-r2, replay-r3, replay-r3-perturbed, short-batch.
 Writes this rank's JSON result to $RESULT.
 """
 
@@ -269,6 +269,23 @@ def integrity_checks(learner, syncer, syncer_module, loop, urls, version) -> dic
     return out
 
 
+def short_batch(learner: Learner, hf_dir: str) -> dict:
+    """A short batch (5 samples, as at the generation bound) laid out with padding rows for
+    2-sample micro-batches, against the same 5 samples in one micro-batch: the padding rows
+    must change nothing (lr ~ 0 keeps the weights equal between the two steps)."""
+    from megatron_rlvr.batching import spread_over_slots
+
+    batch = with_rl_fields(fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5),
+                           hf_logprobs(hf_dir, fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5).input_ids))
+    padded = spread_over_slots(batch, slots=1, micro_batch_size=2)
+    learner.cfg.trainer.micro_batch_size = 2
+    with_padding = learner.train_step(padded)
+    learner.cfg.trainer.micro_batch_size = 8
+    plain = learner.train_step(batch)
+    return {"rows": padded.size, "padding_masked": float(padded.response_mask[5:].sum()),
+            "with_padding": with_padding, "plain": plain}
+
+
 def main() -> None:
     scenario, hf_dir, *rest = sys.argv[1:]
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
@@ -290,6 +307,8 @@ def main() -> None:
         result = replay_errors(learner)
     elif scenario in ("replay-r3", "replay-r3-perturbed"):
         result = replay_r3(learner, hf_dir, perturb=scenario.endswith("perturbed"))
+    elif scenario == "short-batch":
+        result = short_batch(learner, hf_dir)
     elif scenario == "ckpt-save":
         batch = with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids))
         learner.train_step(batch)

@@ -195,7 +195,7 @@ def test_an_interrupted_comparison_resumes_without_redoing_finished_runs(compare
     proc.send_signal(signal.SIGINT)
     assert proc.wait(300) == 130
     log.close()
-    assert "interrupted; 1 of 2 runs finished and kept" in (tmp_path / "first.log").read_text()
+    assert "stopped by SIGINT during run grpo-k1-r3-s0; 1 of 2 runs finished and kept" in (tmp_path / "first.log").read_text()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # its run stopped too
     kept = first_done.stat().st_mtime_ns, (first_done.parent / "metrics.jsonl").read_bytes()
     done = compare(*args)

@@ -12,13 +12,13 @@ writes the report once every run has finished. Imports no torch until a run star
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 from pathlib import Path
 from typing import get_args
 
 from megatron_rlvr.compare.plan import CompareError, plan_runs
 from megatron_rlvr.config import AlgoConfig, ConfigError, load_config
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 MODES = get_args(AlgoConfig.model_fields["routing_replay"].annotation)
 ALGOS = get_args(AlgoConfig.model_fields["kind"].annotation)
@@ -87,11 +87,10 @@ def _setup_lines(args, cfg, steps: int, out: Path) -> list[str]:
     ]
 
 
-def main(args: argparse.Namespace) -> int:
-    def stop(signum, frame):  # SIGTERM (scancel, kill) stops like Ctrl-C: the current run cleanly
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, stop)
+def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
+    """Ctrl-C or SIGTERM (recorded in `stop`) stops the current run cleanly and keeps the
+    finished ones; a second signal is passed on to the run, which then ends at once."""
+    stop = stop or StopSignals()
     out = Path(args.out or Path("runs/compare-replay") / Path(args.config).stem).absolute()
     plans = []
     try:
@@ -113,7 +112,7 @@ def main(args: argparse.Namespace) -> int:
         else:
             from megatron_rlvr.compare.runner import run_local
 
-            run_local(plans)
+            run_local(plans, stop)
         from megatron_rlvr.compare.report import write_report
 
         verdicts = write_report(out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out),
@@ -123,9 +122,9 @@ def main(args: argparse.Namespace) -> int:
     except CompareError as err:
         print(f"megatron-rlvr compare-replay: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
+    except StopRequested as err:
         finished = sum(p.finished() for p in plans)
-        print(f"megatron-rlvr compare-replay: interrupted; {finished} of {len(plans)} runs finished and "
+        print(f"megatron-rlvr compare-replay: {err}; {finished} of {len(plans)} runs finished and "
               "kept; run the same command again to resume", file=sys.stderr)
         return 130
     for text in verdicts:

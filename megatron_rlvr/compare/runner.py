@@ -4,7 +4,8 @@ Locally, each run is `megatron-rlvr train <run>/config.yaml` in a child process 
 (Megatron's parallel state and the router-replay registry are process-global; a crash stays
 in its run), with its output in <run>/train.log and one progress bar over every step of the
 comparison here. Ctrl-C or SIGTERM stops the current run cleanly (the child shuts its engines
-down as train does) and leaves finished runs in place for the next invocation."""
+down as train does, and saves its checkpoint) and leaves finished runs in place for the next
+invocation; a second signal is passed on too, and the child then ends at once."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ import time
 from pathlib import Path
 
 from megatron_rlvr.compare.plan import CompareError, RunPlan
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 
 def _error_line(log: Path) -> str:
@@ -27,9 +29,9 @@ def _error_line(log: Path) -> str:
     return (errors[:1] or lines[-1:] or ["no output"])[0]
 
 
-def run_local(plans: list[RunPlan], out=None) -> None:
+def run_local(plans: list[RunPlan], stop: StopSignals, out=None) -> None:
     """Runs every unfinished plan, in order; raises CompareError when one fails and
-    KeyboardInterrupt when interrupted."""
+    StopRequested when asked to stop."""
     from tqdm import tqdm
 
     out = out or sys.stderr
@@ -43,38 +45,34 @@ def run_local(plans: list[RunPlan], out=None) -> None:
     try:
         for number, plan in enumerate(todo, start=done + 1):
             bar.set_description(f"[{number}/{len(plans)}] {plan.name}")
-            seconds = _train(plan, bar)
+            seconds = _train(plan, bar, stop)
             plan.mark_done(seconds)
             bar.write(f"{plan.name}: finished in {seconds:.0f} s", file=out)
     finally:
         bar.close()
 
 
-def _train(plan: RunPlan, bar) -> float:
+def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
     started = time.monotonic()
     counted = 0
     with open(plan.dir / "train.log", "w") as log:
-        # a session of its own: Ctrl-C reaches this process only, which stops the run once
+        # a session of its own: a terminal's Ctrl-C reaches this process only, which passes
+        # each stop request on, once
         child = subprocess.Popen([sys.executable, "-m", "megatron_rlvr.cli", "train", str(plan.config)],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            while child.poll() is None:
-                time.sleep(0.5)
-                logged = plan.steps_logged()
-                if logged != counted:
-                    bar.update(logged - counted)
-                    counted = logged
-        except BaseException:
-            child.send_signal(signal.SIGTERM)  # train shuts every component down, exits 130
-            try:
-                child.wait(timeout=180)
-            except subprocess.TimeoutExpired:
-                child.kill()
-                child.wait()
-            raise
+        passed_on = 0
+        while child.poll() is None:
+            for _ in range(stop.count - passed_on):  # train ends after the step it is in (exit 130)
+                child.send_signal(signal.SIGTERM)
+            passed_on = stop.count
+            stop.sleep(0.5)
+            logged = plan.steps_logged()
+            if logged != counted:
+                bar.update(logged - counted)
+                counted = logged
     bar.update(plan.steps_logged() - counted)
-    if child.returncode == 130:
-        raise KeyboardInterrupt
+    if child.returncode == 130 or stop.requested:
+        raise StopRequested(stop.signal_name or "SIGTERM", f"during run {plan.name}")
     if child.returncode != 0 or plan.steps_logged() != plan.steps:
         raise CompareError(f"run {plan.name} failed (exit code {child.returncode}): "
                            f"{_error_line(plan.dir / 'train.log')} (log: {plan.dir / 'train.log'})")

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_rlvr.convert.checks import DTYPES, ConvertError, compare_configs, target_dtype
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 CONVERT_JSON = "convert.json"  # beside a converted checkpoint: source, dtype, layout, figures
 PROBE_SHAPE = (2, 16)  # tokens the logits are compared on (16 splits over any tp up to 16)
@@ -101,7 +102,7 @@ def _require_bitwise(figures: dict) -> None:
 
 def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
                 etp: int | None = None, dtype: str | None = None, verify: bool = True,
-                device: str | None = None) -> dict:
+                device: str | None = None, stop: StopSignals | None = None) -> dict:
     """HF checkpoint → Megatron dist checkpoint (loadable in any layout), with the HF config
     and tokenizer files under out/hf. Returns the verify figures."""
     from megatron_rlvr.convert.hf_files import copy_side_files
@@ -115,7 +116,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
     with _output(out) as workdir:
         job = {"command": "hf-to-mcore", "hf": str(hf), "out": str(out), "dtype": target,
                "verify": verify, "tokens": tokens}
-        figures = run_ranks(job, parallel, workdir)[0]
+        figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         if verify:
             _require_bitwise(figures)
             figures.update(_compare_logits(workdir, hf, tokens, target, strict_keys=False))
@@ -128,7 +129,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | None = None,
                 tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, verify: bool = True,
-                device: str | None = None, max_shard_mb: float = 5000.0) -> dict:
+                device: str | None = None, max_shard_mb: float = 5000.0, stop: StopSignals | None = None) -> dict:
     """Megatron checkpoint (a converted one, or a learner checkpoint with --hf-config) → HF
     safetensors shards with their index, config and tokenizer files. Returns the verify
     figures; a checkpoint converted from HF whose source is still there is also compared
@@ -157,7 +158,7 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | No
         job = {"command": "mcore-to-hf", "ckpt": str(ckpt), "hf_config": str(config_dir),
                "out": str(out), "verify": verify, "tokens": tokens,
                "max_shard_bytes": int(max_shard_mb * 2**20)}
-        figures = run_ranks(job, parallel, workdir)[0]
+        figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         copy_side_files(config_dir, out, dtype=figures["dtype"])
         if verify:
             figures.update(_compare_logits(workdir, out, tokens, figures["dtype"], strict_keys=True))
@@ -222,8 +223,9 @@ def describe(figures: dict) -> list[str]:
     return lines
 
 
-def main(args: argparse.Namespace) -> int:
-    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, verify=args.verify, device=args.device)
+def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, verify=args.verify, device=args.device,
+                  stop=stop)
     try:
         if args.direction == "hf-to-mcore":
             figures = hf_to_mcore(args.hf, args.out, dtype=args.dtype, **layout)
@@ -233,8 +235,8 @@ def main(args: argparse.Namespace) -> int:
     except ConvertError as err:
         print(f"megatron-rlvr convert: {err}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("megatron-rlvr convert: interrupted; no output was left", file=sys.stderr)
+    except StopRequested as err:
+        print(f"megatron-rlvr convert: {err}; every rank was stopped and no output was left", file=sys.stderr)
         return 130
     print(f"{args.direction}: wrote {args.out}")
     for line in describe(figures):

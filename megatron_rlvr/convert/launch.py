@@ -12,6 +12,7 @@ from pathlib import Path
 
 from megatron_rlvr.config import Config, HFModel, ParallelConfig, resolve
 from megatron_rlvr.convert.checks import ConvertError
+from megatron_rlvr.stopping import StopSignals
 
 
 def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> ParallelConfig:
@@ -29,10 +30,12 @@ def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> Paralle
         raise ConvertError(err.problems[0].replace("parallel.", "--"))
 
 
-def run_ranks(job: dict, parallel: ParallelConfig, workdir: Path, attempts: int = 3) -> list[dict]:
+def run_ranks(job: dict, parallel: ParallelConfig, workdir: Path, attempts: int = 3,
+              stop: StopSignals | None = None) -> list[dict]:
     """Starts the ranks, waits for all of them, and returns each rank's result. The first rank
     to fail stops the others (they would wait forever in a collective) and its one-line error
-    is raised as ConvertError. A rendezvous port taken meanwhile is retried."""
+    is raised as ConvertError. A rendezvous port taken meanwhile is retried. A stop request
+    stops every rank (StopRequested)."""
     from megatron_rlvr.convert.worker import PORT_TAKEN
     from megatron_rlvr.learner.parallel import free_port
 
@@ -40,7 +43,7 @@ def run_ranks(job: dict, parallel: ParallelConfig, workdir: Path, attempts: int 
     job_path = workdir / "job.json"
     job_path.write_text(json.dumps({**job, "parallel": parallel.model_dump(), "workdir": str(workdir)}))
     for _ in range(attempts):
-        codes = _start_and_wait(job_path, world, free_port(), workdir, parallel.device)
+        codes = _start_and_wait(job_path, world, free_port(), workdir, parallel.device, stop or StopSignals())
         if PORT_TAKEN not in codes:
             break
     results = [json.loads(p.read_text()) if p.exists() else {}
@@ -56,7 +59,8 @@ def run_ranks(job: dict, parallel: ParallelConfig, workdir: Path, attempts: int 
     return results
 
 
-def _start_and_wait(job_path: Path, world: int, port: int, workdir: Path, device: str) -> list[int | None]:
+def _start_and_wait(job_path: Path, world: int, port: int, workdir: Path, device: str,
+                    stop: StopSignals) -> list[int | None]:
     """Exit codes per rank; None for a rank stopped because another one failed (or because
     this process was interrupted: no rank outlives it)."""
     threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else 1
@@ -71,8 +75,11 @@ def _start_and_wait(job_path: Path, world: int, port: int, workdir: Path, device
             procs.append(subprocess.Popen(
                 [sys.executable, "-m", "megatron_rlvr.convert.worker", str(job_path)],
                 env=env, stdout=log, stderr=subprocess.STDOUT if log else None))
-        while any(p.poll() is None for p in procs) and all(p.poll() in (None, 0) for p in procs):
-            time.sleep(0.1)
+        def ended(poll_s: float) -> bool:
+            time.sleep(poll_s)
+            return all(p.poll() is not None for p in procs) or any(p.poll() not in (None, 0) for p in procs)
+
+        stop.wait_until(ended, f"the {world} conversion ranks")
     finally:
         stopped = {rank for rank, p in enumerate(procs) if p.poll() is None}
         for rank in stopped:

@@ -10,6 +10,7 @@ import os
 import signal
 
 from megatron_rlvr.config import Config
+from megatron_rlvr.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
@@ -69,23 +70,35 @@ def check_fits(cfg: Config, available: dict[str, float]) -> None:
                 f"Ray cluster has {available.get(name, 0.0):g}")
 
 
-def gather(refs: list) -> list:
+def gather(refs: list, stop: StopSignals | None = None, what: str = "Ray actors", *,
+           urgent_only: bool = True) -> list:
     """ray.get that raises the first failure at once, instead of waiting on ranks that are
-    blocked in a collective with the rank that died."""
+    blocked in a collective with the rank that died. With `stop`, a stop request ends the
+    wait (by default only a second one: the work asked for is let finish)."""
     import ray
 
+    stop = stop or StopSignals()
     pending = list(refs)
-    while pending:
-        done, pending = ray.wait(pending, num_returns=1)
-        ray.get(done)
+
+    def one_done(poll_s: float) -> bool:
+        nonlocal pending
+        done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
+        if done:
+            ray.get(done)
+        return not pending
+
+    if pending:
+        stop.wait_until(one_done, what, urgent_only=urgent_only)
     return ray.get(refs)
 
 
-def call_all(targets: list, method: str, *args, remote: bool) -> list:
+def call_all(targets: list, method: str, *args, remote: bool, stop: StopSignals | None = None,
+             urgent_only: bool = True) -> list:
     """method(*args) on every target, which are local objects or (remote) Ray actors."""
     if not remote:
         return [getattr(target, method)(*args) for target in targets]
-    return gather([getattr(target, method).remote(*args) for target in targets])
+    return gather([getattr(target, method).remote(*args) for target in targets], stop, f"{method} on Ray actors",
+                  urgent_only=urgent_only)
 
 
 class AsyncActor:

@@ -9,23 +9,27 @@ from pathlib import Path
 
 from megatron_rlvr.config import Config
 from megatron_rlvr.launch.cluster import call_all, node_ip
+from megatron_rlvr.stopping import StopSignals
 
 
 class EngineHost:
     def __init__(self, cfg: Config, model_dir: str, log_dir: str):
         self.cfg, self.model_dir, self.log_dir = cfg, model_dir, log_dir
         self.server = None
+        self.closed = False  # stop() came (perhaps while start() was on its way)
 
     def start(self) -> str:
         """Starts the server on a free port; returns the URL the rollout manager uses."""
         from megatron_rlvr.learner.parallel import free_port
-        from megatron_rlvr.rollout.launcher import engine_process
+        from megatron_rlvr.rollout.launcher import EngineStartError, engine_process
 
         rollout = self.cfg.rollout
         bind = rollout.host
         self.server = engine_process(self.model_dir, rollout.engine, host=bind,
                                      port=free_port("" if bind == "0.0.0.0" else bind),
                                      routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir)
+        if self.closed:
+            raise EngineStartError("the run stopped before this engine started")
         self.server.start()
         host = node_ip() if bind == "0.0.0.0" else bind
         return f"http://{host}:{self.server.port}"
@@ -50,9 +54,10 @@ class EngineHost:
         self.server.start()
         return True
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
+        self.closed = True
         if self.server is not None:
-            self.server.stop()
+            self.server.close(grace_s=10.0 if graceful else 0.0)
 
 
 class EngineFleet:
@@ -66,16 +71,18 @@ class EngineFleet:
 
             engine = cfg.rollout.engine
             options = {"num_gpus": engine.tp} if engine.type == "sglang" else {"num_cpus": 0.01}
-            actor = ray.remote(EngineHost).options(**options)
+            # two threads: stop() must be able to interrupt a start() that is waiting for health
+            actor = ray.remote(EngineHost).options(max_concurrency=2, **options)
             self.hosts = [actor.remote(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
         else:
             self.hosts = [EngineHost(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
         self.urls: list[str] = []
 
-    def _call(self, index: int, method: str):
-        return call_all(self.hosts[index:index + 1], method, remote=self.remote)[0]
+    def _call(self, index: int, method: str, *args):
+        return call_all(self.hosts[index:index + 1], method, *args, remote=self.remote)[0]
 
-    def start(self) -> list[str]:
+    def start(self, stop: StopSignals) -> list[str]:
+        """Starts every engine at once; a stop request or one engine's failure stops them all."""
         urls: list = [None] * len(self.hosts)
         errors: list[BaseException] = []
 
@@ -85,11 +92,15 @@ class EngineFleet:
             except BaseException as err:  # reported below, after every start attempt finished
                 errors.append(err)
 
-        threads = [threading.Thread(target=start_one, args=(i,)) for i in range(len(self.hosts))]
+        threads = [threading.Thread(target=start_one, args=(i,), daemon=True) for i in range(len(self.hosts))]
         for t in threads:
             t.start()
-        for t in threads:
-            t.join()
+        try:
+            for t in threads:
+                stop.wait_until(lambda poll_s, t=t: _joined(t, poll_s), "the engines to start")
+        except BaseException:
+            self.stop(graceful=False)
+            raise
         if errors:
             self.stop()
             raise errors[0]
@@ -99,9 +110,14 @@ class EngineFleet:
     def restart(self, index: int) -> bool:
         return self._call(index, "restart")
 
-    def stop(self) -> None:
+    def stop(self, graceful: bool = True) -> None:
         for index in range(len(self.hosts)):
             try:
-                self._call(index, "stop")
+                self._call(index, "stop", graceful)
             except Exception:  # a host that is gone took its server with it
                 pass
+
+
+def _joined(thread: threading.Thread, timeout_s: float) -> bool:
+    thread.join(timeout_s)
+    return not thread.is_alive()

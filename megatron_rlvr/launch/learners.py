@@ -14,6 +14,7 @@ import torch
 from megatron_rlvr.config import Config
 from megatron_rlvr.launch.cluster import call_all, node_ip
 from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.stopping import StopSignals
 
 
 class LearnerRank:
@@ -90,12 +91,14 @@ class LearnerRank:
 class LearnerGroup:
     """Every call is collective: it runs on all ranks and returns rank 0's result."""
 
-    def __init__(self, ranks: list, remote: bool):
-        self.ranks, self.remote = ranks, remote
+    def __init__(self, ranks: list, remote: bool, stop: StopSignals):
+        self.ranks, self.remote, self.stop = ranks, remote, stop
 
     @classmethod
-    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], *, remote: bool) -> tuple[LearnerGroup, int]:
-        """The ranks of cfg.parallel's layout, set up; also the engines' weight version."""
+    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], *, remote: bool,
+              stop: StopSignals) -> tuple[LearnerGroup, int]:
+        """The ranks of cfg.parallel's layout, set up (a stop request ends the wait); also the
+        engines' weight version."""
         p = cfg.parallel
         world = p.tp * p.pp * p.dp
         if remote:
@@ -106,10 +109,10 @@ class LearnerGroup:
             ranks = [actor.remote(cfg, str(model_dir), rank, world) for rank in range(world)]
         else:
             ranks = [LearnerRank(cfg, str(model_dir), 0, 1)]
-        group = cls(ranks, remote)
+        group = cls(ranks, remote, stop)
         try:
             master = call_all(ranks[:1], "rendezvous_address", remote=remote)[0]
-            version = group._all("setup", master, engine_urls)
+            version = call_all(ranks, "setup", master, engine_urls, remote=remote, stop=stop, urgent_only=False)[0]
         except BaseException:
             group.close()
             raise
@@ -120,7 +123,7 @@ class LearnerGroup:
             import ray
 
             args = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]  # one copy for all ranks
-        return call_all(self.ranks, method, *args, remote=self.remote)[0]
+        return call_all(self.ranks, method, *args, remote=self.remote, stop=self.stop)[0]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._all("compute_logprobs", batch)
@@ -137,8 +140,9 @@ class LearnerGroup:
     def load(self, path: Path) -> int:
         return self._all("load", str(path))
 
-    def close(self) -> None:
-        """Best effort on every rank: a rank that already failed must not keep others up."""
+    def close(self, graceful: bool = True) -> None:
+        """Best effort on every rank: a rank that already failed must not keep others up.
+        Ranks busy with earlier work get a few seconds (none unless graceful), then are killed."""
         if not self.remote:
             for rank in self.ranks:
                 rank.close()
@@ -146,6 +150,6 @@ class LearnerGroup:
         import ray
 
         refs = [rank.close.remote() for rank in self.ranks]
-        ray.wait(refs, num_returns=len(refs), timeout=60)
+        ray.wait(refs, num_returns=len(refs), timeout=20 if graceful else 0)
         for rank in self.ranks:
             ray.kill(rank)

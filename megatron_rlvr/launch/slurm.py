@@ -132,6 +132,7 @@ class JobSpec:
     container: str = ""
     iface: str = ""
     join_timeout_s: int = 300
+    stop_grace_s: int = 120  # SIGTERM this long before the time limit: the run saves and stops
 
 
 def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
@@ -147,6 +148,9 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
         *([f"--partition={spec.partition}"] if spec.partition else []),
         *([f"--time={spec.time}"] if spec.time else []),
         *([f"--account={spec.account}"] if spec.account else []),
+        # the job script gets SIGTERM this long before the time limit and passes it to the
+        # driver, which finishes its step, saves a checkpoint and stops every node in time
+        f"--signal=B:TERM@{spec.stop_grace_s}",
         *spec.sbatch_options,
         f"--output={spec.log_root}/slurm-%j.out",
         f"--chdir={spec.workdir}",
@@ -257,6 +261,9 @@ def add_submit_parser(sub) -> None:
                      "default: this interpreter's")
     cmd.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
     cmd.add_argument("--join-timeout-s", type=int, default=300, help="wait this long for every node")
+    cmd.add_argument("--stop-grace-s", type=int, default=120,
+                     help="SIGTERM the run this long before --time runs out, so it saves and stops (default 120; "
+                     "more than one training step plus a checkpoint)")
     cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
 
@@ -274,7 +281,8 @@ def submit_command(args: argparse.Namespace) -> int:
             gpus_per_node=args.gpus_per_node, log_root=log_root,
             job_name=args.job_name or f"rlvr-{Path(args.config).stem}", partition=args.partition,
             time=args.time, account=args.account, sbatch_options=args.sbatch_option,
-            container=args.container, iface=args.iface, join_timeout_s=args.join_timeout_s)
+            container=args.container, iface=args.iface, join_timeout_s=args.join_timeout_s,
+            stop_grace_s=args.stop_grace_s)
         if args.bin_dir:
             spec.bin_dir = Path(args.bin_dir)
         script = render(spec, resources)

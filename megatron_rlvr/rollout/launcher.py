@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -28,19 +29,29 @@ class ServerProcess:
     port: int
     log_path: Path
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    stopping: bool = field(default=False, repr=False)  # stop() was called: start() gives up
+    closed: bool = field(default=False, repr=False)  # close() was called: start() refuses
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
     def start(self, ready_timeout_s: float = 300.0) -> ServerProcess:
-        log = open(self.log_path, "ab")
+        """Starts the server and waits until it answers /health. stop() from another thread
+        ends the wait (the server is stopped, EngineStartError raised)."""
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-        self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                     start_new_session=True)
-        log.close()
+        with self._lock:
+            if self.closed:
+                raise EngineStartError(f"engine on port {self.port} was closed before it started")
+            self.stopping = False
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                             start_new_session=True)
         deadline = time.monotonic() + ready_timeout_s
         while time.monotonic() < deadline:
+            if self.stopping:
+                raise EngineStartError(f"engine on port {self.port} was stopped while starting")
             if self.proc.poll() is not None:
                 raise EngineStartError(f"engine on port {self.port} exited with {self.proc.returncode}; "
                                        f"log: {self.log_path}\n{_tail(self.log_path)}")
@@ -54,15 +65,25 @@ class ServerProcess:
         raise EngineStartError(f"engine on port {self.port} not healthy after {ready_timeout_s:.0f}s; "
                                f"log: {self.log_path}")
 
+    def close(self, grace_s: float = 10.0) -> None:
+        """stop() for good: a start() racing with it refuses instead of starting a server
+        nobody will stop."""
+        with self._lock:
+            self.closed = True
+        self.stop(grace_s)
+
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self, grace_s: float = 10.0) -> None:
-        """Stops the server and anything it started (its own process group)."""
+        """Stops the server and anything it started (its own process group): SIGTERM, then
+        SIGKILL after grace_s (at once with 0)."""
+        with self._lock:
+            self.stopping = True
         if self.proc is None or self.proc.poll() is not None:
             return
-        os.killpg(self.proc.pid, signal.SIGTERM)
+        os.killpg(self.proc.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
         try:
             self.proc.wait(timeout=grace_s)
         except subprocess.TimeoutExpired:

@@ -6,7 +6,12 @@ Groups are filed in the order they were submitted, whatever order the engines fi
 in, and every group carries a sampling seed derived from the run's seed and its submission
 number. With `drain` (synchronous training) nothing is left in flight between steps, so the
 groups a step trains on depend only on the seed and the weights: a resumed run sees the
-same rollouts as an uninterrupted one."""
+same rollouts as an uninterrupted one.
+
+One step generates at most `max_groups` groups. Late in training most groups have zero reward
+std, and "until the batch is full" would otherwise mean hours of rollouts for nothing: at the
+bound the step gets the useful groups there are (a short batch), and a bound spent without
+enough of them ends the run (NothingToLearn) with what the prompts' histories say."""
 
 from __future__ import annotations
 
@@ -18,10 +23,15 @@ from typing import Awaitable, Callable
 
 from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
+from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group
 
 class RolloutFailed(RuntimeError):
     """Every recent group failed: no engine can serve (the run stops instead of spinning)."""
+
+
+class NothingToLearn(RuntimeError):
+    """A step's generation bound was spent without the useful groups one batch needs."""
 
 
 class EnginesNeedWeights(RuntimeError):
@@ -36,12 +46,18 @@ class ActiveSampler:
     def __init__(self, manager: RolloutManager, buffer, prompts: list[PromptRecord], *,
                  encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
                  score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256,
-                 max_failed_in_a_row: int = 64):
-        """buffer: a Buffer, or a proxy with the same async methods (the Ray actor)."""
+                 max_failed_in_a_row: int = 64, max_groups: int = 2**31, min_groups: int = 1,
+                 history: PromptHistory | None = None):
+        """buffer: a Buffer, or a proxy with the same async methods (the Ray actor).
+        max_groups: groups one fill may generate; min_groups: the fewest useful groups a
+        (short) batch may have. history: each prompt's recent outcomes, and which to skip."""
         self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
         self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
         self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
+        self.max_groups, self.min_groups = max_groups, min_groups
+        self.history = history or PromptHistory(enabled=False, explore_solved=1.0, explore_unsolved=1.0,
+                                                max_skip_probability=0.0, seed=seed)
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
@@ -50,26 +66,41 @@ class ActiveSampler:
         self.submitted = 0
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
         self.tokens = 0  # response tokens generated since then
+        self.short_batches = 0  # steps that got fewer than batch_groups groups at the bound
+        self._generated = 0  # groups submitted by the latest fill
 
     def useful_fraction(self) -> float:
         """Kept / generated over the latest groups (the policy changes, so the fraction does),
         smoothed so a cold start neither stalls nor floods."""
         return (sum(self._recent) + 1) / (len(self._recent) + 2)
 
-    def _next_prompt(self) -> PromptRecord:
+    def _draw(self) -> PromptRecord:
         if not self._order:
             self._order = list(self.prompts)
             self._rng.shuffle(self._order)
         return self._order.pop()
 
-    def _top_up(self, needed: int) -> None:
-        target = min(self.max_in_flight, math.ceil(needed / self.useful_fraction()))
+    def _next_prompt(self) -> PromptRecord:
+        """The next prompt of the shuffled pass over the data that the history does not skip
+        (a skipped prompt waits for the next pass). After a whole pass's worth of skips the
+        next prompt is taken anyway: skipping never stalls sampling."""
+        for _ in range(len(self.prompts)):
+            record = self._draw()
+            if not self.history.should_skip(record.prompt_id):
+                return record
+        return self._draw()
+
+    def _top_up(self, needed: int, room: int) -> None:
+        """Submits groups until enough are in flight for `needed` useful ones at the measured
+        useful fraction; at most `room` more."""
+        target = min(self.max_in_flight, math.ceil(needed / self.useful_fraction()), len(self._pending) + room)
         while len(self._pending) < target:
             record = self._next_prompt()
             seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
             self._pending.append(self.manager.submit(
                 PromptItem(record.prompt_id, self.encode(record.prompt), record.answer, seed=seed)))
             self.submitted += 1
+            self._generated += 1
 
     async def _next_in_order(self) -> Group:
         head = self._pending[0]
@@ -83,6 +114,7 @@ class ActiveSampler:
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
             raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
+        rewards: list[float] = []
         if group.samples and group.error is None:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples],
                                        [group.answer or ""] * len(group.samples))
@@ -90,21 +122,50 @@ class ActiveSampler:
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
             self.rewards.extend(rewards)
-        self._recent.append(await self.buffer.put(group) == "kept")
+        verdict = await self.buffer.put(group)
+        if verdict in ("kept", "zero_std"):
+            self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
+        self._recent.append(verdict == "kept")
 
     async def fill(self, batch_groups: int, policy_version: int, *, drain: bool = False) -> list[Group]:
-        """Exactly batch_groups useful groups for training `policy_version`. drain: also wait
-        for every group still in flight (they go to the buffer), so none straddles a step."""
+        """batch_groups useful groups for training `policy_version`, generating at most
+        max_groups groups for them: at that bound, the useful groups there are (at least
+        min_groups, else NothingToLearn). drain: also wait for every group still in flight
+        (they go to the buffer), so none straddles a step."""
+        self._generated = 0
         while (useful := await self.buffer.useful(policy_version)) < batch_groups:
+            room = self.max_groups - self._generated
+            if room <= 0 and not self._pending:
+                break
             if self.manager.serving == 0:
                 await self.manager.wait_for_restarts()
                 if self.manager.serving == 0 and self.manager.restarted:
                     raise EnginesNeedWeights("every engine was restarted and waits for the weights")
-            self._top_up(batch_groups - useful)
+            self._top_up(batch_groups - useful, room)
             await self._file(await self._next_in_order())
         while drain and self._pending:
             await self._file(await self._next_in_order())
-        return await self.buffer.get_batch(batch_groups, policy_version)
+        useful = await self.buffer.useful(policy_version)
+        if useful < batch_groups:
+            if useful < self.min_groups:
+                raise NothingToLearn(self._nothing_to_learn(useful))
+            self.short_batches += 1
+        return await self.buffer.get_batch(min(useful, batch_groups), policy_version)
+
+    def _nothing_to_learn(self, useful: int) -> str:
+        counts = self.history.counts()
+        found = "no useful group" if useful == 0 else f"only {useful} useful groups (a batch needs {self.min_groups})"
+        return (f"{found} among {self._generated} generated (buffer.max_generated_groups_per_step = "
+                f"{self.max_groups}): of {len(self.prompts)} prompts, {counts['always_solved']} were always "
+                f"solved and {counts['never_solved']} never solved the last time they were sampled, at this "
+                "rollout.temperature and rollout.n_samples_per_prompt; the policy has nothing left to learn "
+                "from this data")
+
+    def step_stats(self) -> dict[str, int]:
+        """Sampling figures for the step's metrics (skips since the last call)."""
+        return {"sampler/groups_generated": self._generated, "sampler/skipped_prompts": self.history.take_skipped(),
+                **{f"sampler/{k}": v for k, v in self.history.counts().items()},
+                "buffer/short_batches": self.short_batches}
 
     def take_rewards(self) -> tuple[list[float], int]:
         """Rewards and response tokens since the last call."""
@@ -115,7 +176,8 @@ class ActiveSampler:
         """What a resumed run needs to submit the same groups next. Exact between drained
         steps; groups in flight (async runs) are not part of it and get regenerated."""
         return {"rng": self._rng.getstate(), "order": [r.prompt_id for r in self._order],
-                "recent": list(self._recent), "submitted": self.submitted}
+                "recent": list(self._recent), "submitted": self.submitted,
+                "short_batches": self.short_batches, "history": self.history.state()}
 
     def load_state(self, state: dict) -> None:
         by_id = {r.prompt_id: r for r in self.prompts}
@@ -123,3 +185,6 @@ class ActiveSampler:
         self._order = [by_id[i] for i in state["order"]]
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
         self.submitted = state["submitted"]
+        self.short_batches = state.get("short_batches", 0)
+        if "history" in state:
+            self.history.load_state(state["history"])
