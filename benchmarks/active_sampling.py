@@ -41,7 +41,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as out:
         cfg = load_config(str(CONFIG), [f"trainer.output_dir={out}", f"trainer.steps={args.steps}",
                                         "logging.tensorboard=false", *args.overrides])
-        history = train(cfg)
+        history = train(cfg).history
     batch = cfg.buffer.batch_groups
     print(f"{'step':>4} {'generated':>9} {'kept':>5} {'useful':>7} {'3x/used':>8}")
     previous = {"buffer/generated": 0, "buffer/kept_groups": 0}

@@ -24,7 +24,7 @@ def throughput(steps: int, overrides: list[str], overlap: bool) -> tuple[float, 
         cfg = load_config(str(CONFIG), [f"trainer.output_dir={out}", f"trainer.steps={steps}",
                                         "logging.tensorboard=false", f"buffer.async_rollout={overlap}",
                                         *overrides])
-        history = train(cfg)
+        history = train(cfg).history
     samples = cfg.buffer.batch_groups * cfg.rollout.n_samples_per_prompt
     seconds = sum(m["time/step_s"] for m in history[1:])
     return samples * (len(history) - 1) / seconds, history
@@ -39,7 +39,7 @@ def main() -> None:
     for name, overlap in (("sync", False), ("async", True)):
         rate, history = throughput(args.steps, args.overrides, overlap)
         stale = history[-1]["buffer/dropped_stale"]
-        reward = statistics.fmean(m["reward/mean"] for m in history[-5:])
+        reward = statistics.fmean(m["reward/mean"] for m in history[-5:] if "reward/mean" in m)
         results[name] = rate
         print(f"{name:>5}: {rate:8.1f} samples/s  median step {statistics.median(m['time/step_s'] for m in history[1:]):.2f} s"
               f"  reward (last 5) {reward:.3f}  dropped stale {stale}")

@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | convert | submit | compare-replay | bench."""
+"""`megatron-rlvr` command line: train | convert | submit | compare-replay."""
 
 from __future__ import annotations
 
@@ -11,17 +11,12 @@ from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.launch import slurm
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
-# Subcommands whose implementation lands with a later capability, and which one.
-NOT_YET = {
-    "bench": "benchmarks run as scripts for now: python benchmarks/<name>.py",
-}
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rlvr",
         description="RL with verifiable rewards for MoE LLMs (Megatron-Core + SGLang).",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     train = sub.add_parser("train", help="run RL training from a YAML config")
     train.add_argument("config", help="YAML config, e.g. configs/tiny-moe-cpu.yaml")
@@ -33,19 +28,31 @@ def _parser() -> argparse.ArgumentParser:
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
     compare_replay.add_parser(sub)
-    for name, why in NOT_YET.items():
-        cmd = sub.add_parser(name, help=why)
-        cmd.add_argument("args", nargs=argparse.REMAINDER)
     return parser
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-rlvr")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
+
 def _train(args: argparse.Namespace, stop: StopSignals) -> int:
+    from megatron_rlvr import run_dir
+
     try:
         cfg = load_config(args.config, args.overrides)
+        if args.dry_run:
+            print(to_yaml(cfg), end="")
+            return 0
+        found = run_dir.check_output_dir(cfg)
     except ConfigError as err:
         return err.report()
-    if args.dry_run:
-        print(to_yaml(cfg), end="")
+    if finished := run_dir.finished_message(cfg, found):
+        print(f"megatron-rlvr train: {finished}", file=sys.stderr)
         return 0
     import logging
 
@@ -89,8 +96,6 @@ def main(argv: list[str] | None = None) -> int:
         if unknown:
             parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         args.overrides = [*args.overrides, *extra]
-    elif extra and args.command in NOT_YET:
-        args.args = [*args.args, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.command == "submit":
@@ -102,11 +107,7 @@ def main(argv: list[str] | None = None) -> int:
         return _train(args, stop)
     if args.command == "compare-replay":
         return compare_replay.main(args, stop)
-    if args.command == "convert":
-        return convert.main(args, stop)
-    print(f"megatron-rlvr {args.command}: not available yet ({NOT_YET[args.command]})",
-          file=sys.stderr)
-    return 2
+    return convert.main(args, stop)
 
 
 if __name__ == "__main__":

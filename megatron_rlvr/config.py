@@ -390,8 +390,10 @@ def _raise(problems: list[str]) -> None:
         raise ConfigError(problems)
 
 
-def _cross_field_problems(cfg: Config, dims: ModelDims) -> list[str]:
-    """Checks that span sections; run on the resolved config."""
+def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False) -> list[str]:
+    """Checks that span sections; run on the resolved config. A check on a derived value
+    (dp, from ep) is skipped when what it derives from is already wrong: an error names only
+    what the user got wrong."""
     p, a, r = cfg.parallel, cfg.algo, cfg.rollout
     problems = []
     if dims.num_experts % p.ep:
@@ -430,13 +432,15 @@ def _cross_field_problems(cfg: Config, dims: ModelDims) -> list[str]:
         )
     if a.clip_ratio_c is not None and a.kind != "grpo":
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
+    layout_wrong = bool(problems)
     samples = cfg.buffer.batch_groups * r.n_samples_per_prompt
     per_step = a.num_minibatches * p.dp
-    if samples % per_step:
+    if samples % per_step and not (dp_derived and layout_wrong):
+        dp = f"parallel.dp = {p.dp}, derived from parallel.ep · etp / tp" if dp_derived else "parallel.dp"
         problems.append(
             f"algo.num_minibatches = {a.num_minibatches}: buffer.batch_groups · "
             f"rollout.n_samples_per_prompt = {samples} samples must split evenly into "
-            f"num_minibatches · parallel.dp = {per_step} parts"
+            f"num_minibatches · {dp} = {per_step} parts"
         )
     bound = cfg.buffer.max_generated_groups_per_step
     if bound is not None and bound < cfg.buffer.batch_groups:
@@ -467,7 +471,8 @@ def resolve(cfg: Config) -> Config:
         cfg.algo.clip_high = clip_high
     if cfg.parallel.etp is None:
         cfg.parallel.etp = cfg.parallel.tp
-    if cfg.parallel.dp is None:
+    dp_derived = cfg.parallel.dp is None
+    if dp_derived:
         # experts are carved out of the tp · dp ranks of a stage: ep=2 alone means 2 ranks
         expert_ranks = cfg.parallel.ep * cfg.parallel.etp
         cfg.parallel.dp = next(
@@ -483,7 +488,7 @@ def resolve(cfg: Config) -> Config:
         cfg.buffer.max_generated_groups_per_step = 64 * cfg.buffer.batch_groups
     if cfg.weight_sync.backend == "auto":
         cfg.weight_sync.backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
-    _raise(_cross_field_problems(cfg, model_dims(cfg.model)))
+    _raise(_cross_field_problems(cfg, model_dims(cfg.model), dp_derived))
     return cfg
 
 
@@ -501,8 +506,28 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.strip().split("."), value
 
 
+def _default_kind(path: list[str]) -> str | None:
+    """The `type` a section of the schema takes when the config does not say (a
+    discriminated union's default member), e.g. ["data"] → "arithmetic"."""
+    model: type[BaseModel] = Config
+    for depth, part in enumerate(path):
+        field = model.model_fields.get(part)
+        if field is None:
+            return None
+        default = field.get_default(call_default_factory=True)
+        if not isinstance(default, BaseModel):
+            return None
+        if depth == len(path) - 1:
+            return getattr(default, "type", None)
+        model = type(default)
+    return None
+
+
 def apply_overrides(raw: dict, overrides: list[str]) -> dict:
-    """Sets each dotted key in the raw config dict, creating sections as needed."""
+    """Sets each dotted key in the raw config dict, creating sections as needed. Setting a
+    section's `type` to another kind starts that section afresh (`data.type=file
+    data.path=x.jsonl` over a YAML with arithmetic data): the old kind's fields would not
+    belong to the new one."""
     for text in overrides:
         path, value = parse_override(text)
         node = raw
@@ -512,6 +537,8 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
                 dotted = ".".join(path[: depth + 1])
                 raise ConfigError([f"override {text!r}: {dotted} is a value, not a section"])
             node = child
+        if path[-1] == "type" and node.get("type", _default_kind(path[:-1])) != value:
+            node.clear()
         node[path[-1]] = value
     return raw
 

@@ -15,32 +15,41 @@ class RunReport:
     def __init__(self, output_dir: str | Path, total_steps: int, *, first_step: int = 1,
                  tensorboard: bool = True):
         """first_step > 1 continues a resumed run: lines of later steps (logged after the
-        checkpoint it resumes from) are dropped, so every step appears once."""
+        checkpoint it resumes from) are dropped, so every step appears once. TensorBoard's
+        events are written anew from the lines kept: metrics.jsonl is the record, and event
+        files appended to across a resume would hold the replayed steps twice."""
         from tqdm import tqdm
 
         self.dir = Path(output_dir)
         self.metrics_path = self.dir / "metrics.jsonl"
         kept = [line for line in _lines(self.metrics_path) if json.loads(line)["step"] < first_step]
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
-        self.last: dict | None = json.loads(kept[-1]) if kept else None  # the latest step logged
         self.tb = None
         if tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"), purge_step=first_step)
+            events = self.dir / "tensorboard"
+            for old in events.glob("events.out.tfevents.*") if events.exists() else []:
+                old.unlink()
+            self.tb = SummaryWriter(str(events))
+            for line in kept:
+                self._to_tensorboard(json.loads(line))
         self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", file=sys.stderr,
                         dynamic_ncols=True, desc="train", mininterval=0)
 
+    def _to_tensorboard(self, metrics: dict) -> None:
+        for key, value in metrics.items():
+            if isinstance(value, (int, float)) and key != "step":
+                self.tb.add_scalar(key, value, metrics["step"])
+
     def log(self, metrics: dict) -> None:
-        self.last = metrics
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         if self.tb is not None:
-            for key, value in metrics.items():
-                if isinstance(value, (int, float)) and key != "step":
-                    self.tb.add_scalar(key, value, metrics["step"])
+            self._to_tensorboard(metrics)
         tokens_per_s = metrics.get("rollout/tokens", 0) / max(metrics["time/step_s"], 1e-9)
-        self.bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", tok_s=f"{tokens_per_s:.0f}",
+        reward = metrics.get("reward/mean")  # absent on a step that sampled nothing
+        self.bar.set_postfix(reward="-" if reward is None else f"{reward:.3f}", tok_s=f"{tokens_per_s:.0f}",
                              loss=f"{metrics.get('train/policy_loss', 0.0):+.4f}", refresh=False)
         self.bar.update(1)
 

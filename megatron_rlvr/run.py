@@ -13,19 +13,23 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
+import json
 import logging
 import math
+import os
 import pickle
+import shutil
+import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rlvr.config import Config, HFModel, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
-from megatron_rlvr.stopping import StopSignals
+from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 log = logging.getLogger(__name__)
-RUN_STATE = "run_state.pkl"  # beside the learner's checkpoint: rollout side of a resume
 
 
 class RunError(RuntimeError):
@@ -95,8 +99,10 @@ class Run:
     sampler: object = None
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
+    trained_groups: int = 0  # groups the learner has trained on, over the whole run
     saved_step: int = 0  # the step of the checkpoint on disk (0: none)
     _rollout_snapshot: dict | None = None  # the rollout side as it was when finished_step ended
+    pending: concurrent.futures.Future | None = None  # the next batch, being generated (or ready)
     teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
 
     @functools.cached_property
@@ -108,27 +114,29 @@ class Run:
         hf = read_hf_config(self.model_dir)
         return hf.num_hidden_layers, hf.num_experts_per_tok
 
-    def next_batch(self, pending: concurrent.futures.Future) -> list:
-        """The groups `pending` delivers (a stop request ends the wait). If every engine died
-        and came back with initial weights, they get the current ones (as a new policy
-        version) and the batch is asked for again, for the policy that trains next."""
-        from megatron_rlvr.rollout.sampler import EnginesNeedWeights
+    def next_batch(self) -> list:
+        """The groups of the batch requested last (a stop request ends the wait). If every
+        engine died and came back with initial weights, they get the current ones (as a new
+        policy version) and the batch is asked for again, for the policy that trains next."""
+        from megatron_rlvr.rollout.manager import EnginesNeedWeights
 
         while True:
             try:
-                return self.stop.result(pending, "the next batch of rollouts")
+                groups = self.stop.result(self.pending, "the next batch of rollouts")
+                self.pending = None
+                return groups
             except EnginesNeedWeights:
                 log.warning("every engine restarted: pushing the current weights as version %d", self.version + 1)
                 self.version += 1
                 self.sync_weights()
-                pending = self.request_batch(self.version)
+                self.request_batch(self.version)
 
-    def request_batch(self, policy_version: int) -> concurrent.futures.Future:
-        """The next batch of useful groups, generated on the rollout thread. Synchronous runs
-        drain what is in flight, so no group straddles a weight update."""
+    def request_batch(self, policy_version: int) -> None:
+        """Starts generating the next batch of useful groups on the rollout thread. Synchronous
+        runs drain what is in flight, so no group straddles a weight update."""
         fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version,
                                  drain=not self.cfg.buffer.async_rollout)
-        return self.rollout.submit(fill)
+        self.pending = self.rollout.submit(fill)
 
     def sync_weights(self) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
@@ -142,8 +150,12 @@ class Run:
         """Records the rollout side as it is at the end of `step` (what a checkpoint of this
         step holds, even if written later, after a stop request) and saves if asked."""
         async def rollout_state() -> dict:
+            # an async run's next batch, if already drawn from the buffer, is part of the
+            # state: a resumed run trains on it rather than counting a second one as used
+            ready = self.pending is not None and self.pending.done() and self.pending.exception() is None
             return {"step": step, "version": self.version, "sampler": self.sampler.state(),
-                    "buffer": await self.buffer.state(), "manager": dict(self.manager.stats)}
+                    "buffer": await self.buffer.state(), "manager": dict(self.manager.stats),
+                    "trained_groups": self.trained_groups, "next_batch": self.pending.result() if ready else None}
 
         self._rollout_snapshot = self.rollout.run(rollout_state())
         self.finished_step = step
@@ -153,11 +165,13 @@ class Run:
     def save(self) -> None:
         """A checkpoint of the last finished step: the learner's, and the rollout side's
         beside it (written whole or not at all: a crash mid-write keeps the previous one)."""
-        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
+        path = Path(self.cfg.trainer.output_dir) / CHECKPOINT
         self.learners.save(path)
-        partial = path / (RUN_STATE + ".partial")
-        partial.write_bytes(pickle.dumps(self._rollout_snapshot))
-        partial.replace(path / RUN_STATE)
+        for name, data in ((RUN_STATE, pickle.dumps(self._rollout_snapshot)),
+                           (RUN_STEP, json.dumps({"step": self.finished_step}).encode())):
+            partial = path / (name + ".partial")
+            partial.write_bytes(data)
+            partial.replace(path / name)
         self.saved_step = self.finished_step
 
     def save_last(self) -> str:
@@ -166,13 +180,13 @@ class Run:
             return "no step had finished: nothing to save"
         if self.saved_step < self.finished_step:
             self.save()
-        return (f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / 'checkpoint'} "
+        return (f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / CHECKPOINT} "
                 "(continue with trainer.resume=true)")
 
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
         engines; returns the step it was taken after (0: none)."""
-        path = Path(self.cfg.trainer.output_dir) / "checkpoint"
+        path = Path(self.cfg.trainer.output_dir) / CHECKPOINT
         if not (path / RUN_STATE).exists():
             log.info("no checkpoint in %s: starting afresh", path)
             return 0
@@ -188,7 +202,11 @@ class Run:
             self.manager.stats.update(state["manager"])
 
         self.rollout.run(restore())
+        if state.get("next_batch") is not None:
+            self.pending = concurrent.futures.Future()
+            self.pending.set_result(state["next_batch"])
         self.version = state["version"]
+        self.trained_groups = state.get("trained_groups", 0)
         self.finished_step = self.saved_step = step
         self._rollout_snapshot = state
         self.sync_weights()
@@ -209,8 +227,9 @@ def open_run(cfg: Config, stop: StopSignals):
     with contextlib.ExitStack() as cluster:
         run = None
         try:
+            temp_dir = cluster.enter_context(_run_temp_dir())
             if remote:
-                cluster.enter_context(ray_session(cfg))
+                cluster.enter_context(ray_session(cfg, str(Path(temp_dir) / "ray")))
             stop.check("while Ray started")
             run = Run(cfg, model_dir, tokenizer, stop)
             _start(run, remote)
@@ -219,6 +238,34 @@ def open_run(cfg: Config, stop: StopSignals):
             if run is not None:
                 _teardown(run)
             cluster.close()  # Ray last: actors first, then its daemons
+
+
+@contextlib.contextmanager
+def _run_temp_dir():
+    """A temporary folder the run and every process it starts use (TMPDIR: Python's
+    multiprocessing folders, Ray's session), removed at the end, so nothing is left in /tmp.
+    After a failure Ray's logs in it are kept, and the log says where."""
+    path = tempfile.mkdtemp(prefix="rlvr-")
+    previous = os.environ.get("TMPDIR")
+    os.environ["TMPDIR"], tempfile.tempdir = path, None
+    failed = False
+    try:
+        yield path
+    except StopRequested:
+        raise
+    except BaseException:
+        failed = True
+        raise
+    finally:
+        if previous is None:
+            os.environ.pop("TMPDIR", None)
+        else:
+            os.environ["TMPDIR"] = previous
+        tempfile.tempdir = None
+        if failed and (Path(path) / "ray").exists():
+            log.error("Ray's logs of this run are kept in %s", Path(path) / "ray")
+        else:
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def _start(run: Run, remote: bool) -> None:
@@ -245,7 +292,7 @@ def _start(run: Run, remote: bool) -> None:
                                 stop_token_ids=[eos] if eos is not None else None)
     shape = run.routing_shape
     num_experts = read_hf_config(run.model_dir).num_experts
-    async def restart(engine: int) -> bool:
+    async def restart(engine: int) -> str | None:
         return await asyncio.to_thread(run.engines.restart, engine)
 
     run.manager = RolloutManager(run.clients, sampling, restart=restart,

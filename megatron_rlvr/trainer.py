@@ -38,13 +38,14 @@ def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
         report = RunReport(cfg.trainer.output_dir, steps, first_step=first, tensorboard=cfg.logging.tensorboard)
         try:
-            pending = run.request_batch(run.version) if first <= steps else None
+            if first <= steps and run.pending is None:  # a resumed async run may have its next batch
+                run.request_batch(run.version)
             for step in range(first, steps + 1):
                 started = time.perf_counter()
-                groups = run.next_batch(pending)
+                groups = run.next_batch()
                 stop.check(f"before step {step}")
                 if overlap and step < steps:
-                    pending = run.request_batch(run.version + 1)
+                    run.request_batch(run.version + 1)
                 batch = groups_to_batch(groups, normalize_std=cfg.algo.normalize_std,
                                         pad_id=run.tokenizer.pad_token_id or 0, routing=run.routing_shape,
                                         slots=cfg.algo.num_minibatches * cfg.parallel.dp,
@@ -52,16 +53,17 @@ def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
                 batch.old_logprobs = run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)
                 run.version += 1
+                run.trained_groups += len(groups)
                 sync_metrics = run.sync_weights()
                 metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
-                                       report.last, len(groups))
+                                       len(groups))
                 report.log(metrics)
                 outcome.history.append(metrics)
                 run.finish_step(step, save=step == steps or (cfg.trainer.save_interval > 0
                                                                and step % cfg.trainer.save_interval == 0))
                 stop.check(f"after step {step}")
                 if not overlap and step < steps:  # after the metrics and the checkpoint it belongs to
-                    pending = run.request_batch(run.version)
+                    run.request_batch(run.version)
         except NothingToLearn as err:
             outcome.message = f"{err}. {run.save_last()}"
         except StopRequested as err:
@@ -73,10 +75,9 @@ def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
     return outcome
 
 
-def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, previous: dict | None,
-                 batch_groups: int) -> dict:
-    """previous: the last step's metrics. A step trained from the buffer's surplus alone scores
-    no new sample: its reward/mean is carried over (and reward/samples says 0)."""
+def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, batch_groups: int) -> dict:
+    """The step's metrics line. A step trained from the buffer's surplus alone scored no new
+    sample: it has no reward/mean (a gap in the curves), and reward/samples says 0."""
     async def rollout_side() -> tuple:
         return (run.sampler.take_rewards(), run.sampler.step_stats(), await run.buffer.stats(),
                 dict(run.manager.stats))
@@ -84,10 +85,11 @@ def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float,
     (rewards, tokens), sampling, buffer, engines = run.rollout.run(rollout_side())
     return {
         "step": step,
-        "reward/mean": statistics.fmean(rewards) if rewards else (previous or {}).get("reward/mean", 0.0),
+        **({"reward/mean": statistics.fmean(rewards)} if rewards else {}),
         "reward/samples": len(rewards),
         "rollout/tokens": tokens,
         "buffer/batch_groups": batch_groups,
+        "buffer/used": run.trained_groups,
         "buffer/kept_groups": buffer["kept"],
         "buffer/dropped_zero_std": buffer["dropped_zero_std"],
         **{f"buffer/{k}": v for k, v in buffer.items() if k not in ("kept", "dropped_zero_std")},

@@ -60,7 +60,7 @@ def test_get_batch_returns_exactly_n_and_keeps_the_rest_for_later():
         assert [g.prompt_id for g in first] == ["p0", "p1", "p2"]  # oldest first
         assert (await buffer.stats())["waiting"] == 2
         second = await buffer.get_batch(2, policy_version=1)  # one version later: still fresh
-        assert [g.prompt_id for g in second] == ["p3", "p4"] and (await buffer.stats())["used"] == 5
+        assert [g.prompt_id for g in second] == ["p3", "p4"] and (await buffer.stats())["drawn"] == 5
 
     run(go())
 

@@ -203,3 +203,24 @@ def test_readme_shows_the_recipes_as_rendered():
             assert "\n".join(script[4:end + 1]) in readme
         resources = script.index("# Resources (checked by megatron-rlvr submit before submission):")
         assert "\n".join(script[resources:resources + 5]) in readme
+
+
+@pytest.mark.parametrize("flag, value", [("--job-name", "my job"), ("--partition", "gpu 'a'"),
+                                         ("--account", 'lab"x')])
+def test_sbatch_values_that_would_be_cut_short_are_refused(flag, value):
+    out = _submit(TINY, "--nodes", 1, "--gpus-per-node", 0, flag, value, "--dry-run")
+    assert out.returncode == 2
+    assert out.stderr.splitlines() == [
+        f"megatron-rlvr submit: {flag} {value!r}: an #SBATCH value may not hold spaces or quotes"]
+
+
+def test_a_used_output_folder_is_refused_before_sbatch_and_a_job_resumes(tmp_path):
+    bin_dir, calls = _fake_slurm(tmp_path)
+    used = tmp_path / "used"
+    used.mkdir()
+    (used / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    out = _submit(TINY, f"trainer.output_dir={used}", "--nodes", 1, "--gpus-per-node", 0, path_dir=bin_dir)
+    assert out.returncode == 2 and not calls.exists()
+    assert "holds a run (metrics up to step 2)" in out.stderr and "trainer.resume=true" in out.stderr
+    script = _submit(TINY, "--nodes", 1, "--gpus-per-node", 0, "--dry-run").stdout
+    assert 'train "${TRAIN[@]}" trainer.resume=true' in script  # a requeued job continues its run

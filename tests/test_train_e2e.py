@@ -2,8 +2,11 @@
 learner, the rollout manager, verifier sandbox, buffer, weight sync with parity probe."""
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import psutil
@@ -12,11 +15,12 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 
 
-def train(tmp_path, *overrides):
+def train(tmp_path, *overrides, env=None):
     command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
                f"trainer.output_dir={tmp_path}", "trainer.steps=3", "trainer.save_interval=2", "buffer.batch_groups=4",
                "rollout.n_samples_per_prompt=4", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
+                          env=None if env is None else {**os.environ, **env})
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], done
 
@@ -27,11 +31,20 @@ def train(tmp_path, *overrides):
 ], ids=["local-none", "ray-ep2-r3"])
 def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    metrics, done = train(tmp_path, *overrides)
+    # the run's TMPDIR (Python's multiprocessing folders, Ray's session), short: Unix socket
+    # paths inside it must stay under 108 bytes
+    temp = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))
+    try:
+        metrics, done = train(tmp_path / "run", *overrides, env={"TMPDIR": str(temp)})
+        left = [p.name for p in temp.iterdir() if not p.name.startswith("torchinductor_")]  # torch's compile cache
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
+    tmp_path = tmp_path / "run"
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
-        assert {"reward/mean", "buffer/kept_groups", "buffer/dropped_zero_std", "time/step_s"} <= set(m)
-        assert 0.0 <= m["reward/mean"] <= 1.0
+        assert {"buffer/kept_groups", "buffer/dropped_zero_std", "time/step_s"} <= set(m)
+        assert ("reward/mean" in m) == (m["reward/samples"] > 0)  # a step that sampled nothing has none
+        assert 0.0 <= m.get("reward/mean", 0.0) <= 1.0
         assert m["weight_sync/parity_max_gap"] <= 1e-5 and m["weight_sync/version"] == m["step"]
         assert m["train/grad_norm"] > 0 and m["buffer/used"] == 4 * m["step"]
         assert sum(v for k, v in m.items() if k.startswith("verifier/")) == m["reward/samples"]  # a reason each
@@ -44,6 +57,7 @@ def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
     assert (tmp_path / "checkpoint" / "metadata.json").exists()
     assert (tmp_path / "model" / "tokenizer.json").exists()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing left running
+    assert not left  # nor anything left in the temporary folder
 
 
 def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
@@ -61,6 +75,40 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
         for key in noise:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
+    assert tensorboard_steps(tmp_path / "halves", "train/policy_loss") == [1, 2, 3, 4]  # each step once
+
+
+def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
+    """The steps TensorBoard's own reader finds for a scalar, over every event file."""
+    from tensorboard.backend.event_processing.event_multiplexer import EventMultiplexer
+
+    events = EventMultiplexer().AddRunsFromDirectory(str(run_dir / "tensorboard"))
+    events.Reload()
+    return sorted(e.step for run in events.Runs() for e in events.Scalars(run, tag))
+
+
+def test_an_async_run_resumed_keeps_its_counters_and_logs_each_step_once(tmp_path):
+    train(tmp_path, "launch.mode=local", "buffer.async_rollout=true", "trainer.steps=2")
+    resumed, done = train(tmp_path, "launch.mode=local", "buffer.async_rollout=true", "trainer.steps=4",
+                          "trainer.resume=true")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert [m["buffer/used"] for m in resumed] == [4, 8, 12, 16]  # groups trained on, through each step
+    assert [m["policy_version"] for m in resumed] == [1, 2, 3, 4]
+    assert tensorboard_steps(tmp_path, "buffer/used") == [1, 2, 3, 4]
+
+
+def test_a_finished_or_used_output_folder_is_never_overwritten(tmp_path):
+    train(tmp_path, "launch.mode=local", "trainer.steps=2")
+    before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()}
+    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+               f"trainer.output_dir={tmp_path}", "trainer.steps=2"]
+    again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1, again.stderr
+    assert f"trainer.output_dir = '{tmp_path}' holds a run (metrics up to step 2 and a checkpoint of step 2)" in again.stderr
+    assert "trainer.resume=true" in again.stderr
+    finished = subprocess.run([*command, "trainer.resume=true"], capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert finished.returncode == 0 and "already finished" in finished.stderr, finished.stderr
+    assert {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()} == before
 
 
 def test_a_multi_rank_layout_in_local_mode_is_a_config_error(tmp_path):
@@ -117,6 +165,7 @@ def test_an_engine_killed_mid_run_loses_no_group_and_rejoins(tmp_path):
     assert done[-1]["rollout/moved_groups"] >= 1  # the dead engine's groups went to the other one
     assert done[-1]["buffer/dropped_failed"] == 0  # none lost
     assert all(m["weight_sync/version"] == m["step"] for m in done)
+    assert "was killed by SIGKILL; the end of its log" in text
 
 
 def test_the_only_engine_killed_mid_run_comes_back_with_the_current_weights(tmp_path):
@@ -125,6 +174,8 @@ def test_the_only_engine_killed_mid_run_comes_back_with_the_current_weights(tmp_
     # without it, the learner pushed its weights once more, as a version of its own.
     extra = int("every engine restarted: pushing the current weights" in text)
     assert done[-1]["weight_sync/version"] == done[-1]["step"] + extra
+    assert done[-1]["buffer/dropped_failed"] == 0 and done[-1]["rollout/moved_groups"] == 0  # they waited
+    assert "was killed by SIGKILL; the end of its log" in text  # how it died, in the run's own log
 
 
 def test_a_run_whose_data_has_nothing_to_teach_ends_after_its_generation_bound(tmp_path):

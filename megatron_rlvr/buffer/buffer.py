@@ -85,12 +85,13 @@ class Buffer:
 
         await asyncio.wait_for(enough(), timeout_s)
         batch = [self._ready.popleft() for _ in range(n)]
-        self.counts["used"] += n
+        self.counts["drawn"] += n
         return batch
 
     async def stats(self) -> dict[str, int]:
-        """Counters for the step's metrics: generated, kept, used, dropped_<reason>, waiting."""
-        out = {key: self.counts[key] for key in ("generated", "kept", "used")}
+        """Counters for the step's metrics: generated, kept, drawn (into batches; an async run
+        draws the next batch before this one is trained), dropped_<reason>, waiting."""
+        out = {key: self.counts[key] for key in ("generated", "kept", "drawn")}
         out.update({f"dropped_{reason}": self.counts[f"dropped_{reason}"] for reason in DROP_REASONS})
         out["waiting"] = len(self._ready)
         return out

@@ -58,7 +58,9 @@ def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
     with open(plan.dir / "train.log", "w") as log:
         # a session of its own: a terminal's Ctrl-C reaches this process only, which passes
         # each stop request on, once
-        child = subprocess.Popen([sys.executable, "-m", "megatron_rlvr.cli", "train", str(plan.config)],
+        # resume: an unfinished run continues from the checkpoint it left (or starts afresh)
+        child = subprocess.Popen([sys.executable, "-m", "megatron_rlvr.cli", "train", str(plan.config),
+                                  "trainer.resume=true"],
                                  stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         passed_on = 0
         while child.poll() is None:

@@ -27,7 +27,9 @@ def node_ip() -> str:
 
 
 @contextlib.contextmanager
-def ray_session(cfg: Config):
+def ray_session(cfg: Config, temp_dir: str):
+    """A local Ray whose session folder (logs, sockets, spilled objects) lives in temp_dir,
+    or the cluster at launch.ray_address."""
     import ray
 
     # Token auth follows leftovers in ~/.ray unless the mode is explicit (see notes).
@@ -40,7 +42,7 @@ def ray_session(cfg: Config):
     else:
         ray.init(num_cpus=launch.num_cpus or os.cpu_count(), num_gpus=None,
                  object_store_memory=launch.object_store_mb * 2**20, include_dashboard=False,
-                 log_to_driver=False)
+                 log_to_driver=False, _temp_dir=temp_dir)
     if callable(on_sigterm):  # Ray's crash handler took SIGTERM over: the run's own shutdown comes first
         signal.signal(signal.SIGTERM, on_sigterm)
     try:

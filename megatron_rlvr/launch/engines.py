@@ -34,25 +34,29 @@ class EngineHost:
         host = node_ip() if bind == "0.0.0.0" else bind
         return f"http://{host}:{self.server.port}"
 
-    def restart(self) -> bool:
+    def restart(self) -> str | None:
         """Same port, fresh process, if the server died or hangs: it comes back with the
-        initial weights (version 0). A server that still answers (slow under load, not dead)
-        is left alone: False."""
+        initial weights (version 0). Returns how the old one ended and the last lines of its
+        log, for the run's log; None when the server still answers (slow under load, not
+        dead) and is left alone."""
         import subprocess
 
         import httpx
 
         try:
             self.server.proc.wait(timeout=5)  # a killed server may take a moment to be reaped
+            how = self.server.exit_description()
         except subprocess.TimeoutExpired:
             try:
                 if httpx.get(f"{self.server.url}/health", timeout=30).status_code == 200:
-                    return False
+                    return None
             except httpx.HTTPError:
                 pass
+            how = "hung (no answer to /health within 30 s) and was stopped"
             self.server.stop()
+        report = f"{how}; the end of its log ({self.server.log_path}):\n{self.server.log_tail(lines=8)}"
         self.server.start()
-        return True
+        return report
 
     def stop(self, graceful: bool = True) -> None:
         self.closed = True
@@ -107,7 +111,7 @@ class EngineFleet:
         self.urls = urls
         return urls
 
-    def restart(self, index: int) -> bool:
+    def restart(self, index: int) -> str | None:
         return self._call(index, "restart")
 
     def stop(self, graceful: bool = True) -> None:

@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rlvr import run_dir
 from megatron_rlvr.config import Config, ConfigError, FileData, HFModel, SglangEngine, load_config
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
@@ -155,6 +156,15 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
         f"--output={spec.log_root}/slurm-%j.out",
         f"--chdir={spec.workdir}",
     ]
+    for option, value in (("--job-name", spec.job_name), ("--partition", spec.partition), ("--time", spec.time),
+                          ("--account", spec.account), ("--log-dir", str(spec.log_root)),
+                          ("the working directory", str(spec.workdir))):
+        if value is not None and (not value or any(c.isspace() or c in "\"'\\" for c in value)):
+            # sbatch reads #SBATCH lines without shell quoting: a space would end the value there
+            raise SubmitError(f"{option} {value!r}: an #SBATCH value may not hold spaces or quotes")
+    for option in spec.sbatch_options:
+        if "\n" in option or not option.startswith("-"):
+            raise SubmitError(f"--sbatch-option {option!r}: one sbatch option such as --qos=high")
     header = [f"#SBATCH {d}" for d in directives]
     header += ["#", "# Resources (checked by megatron-rlvr submit before submission):"]
     header += [f"#   {line}" for line in resources.lines()]
@@ -290,6 +300,7 @@ def submit_command(args: argparse.Namespace) -> int:
             print(script, end="")
             return 0
         check_inputs_present(cfg)
+        run_dir.check_output_dir(cfg)  # the job resumes what it finds: never another run's folder
         _slurm_command("sbatch")  # no log folder left behind by a submission that cannot happen
         created = next((d for d in reversed([log_root, *log_root.parents]) if not d.exists()), None)
         log_root.mkdir(parents=True, exist_ok=True)  # Slurm writes the timeline there at once
@@ -302,6 +313,8 @@ def submit_command(args: argparse.Namespace) -> int:
     except SubmitError as err:
         print(f"megatron-rlvr submit: {err}", file=sys.stderr)
         return 2
+    except ConfigError as err:
+        return err.report()
     job_dir = log_root / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.sbatch").write_text(script)

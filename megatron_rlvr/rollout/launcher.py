@@ -72,6 +72,18 @@ class ServerProcess:
             self.closed = True
         self.stop(grace_s)
 
+    def exit_description(self) -> str:
+        """How the process ended: its exit code, or the signal that killed it."""
+        code = self.proc.returncode if self.proc is not None else None
+        if code is None:
+            return "is still running"
+        if code < 0:
+            return f"was killed by {signal.Signals(-code).name}"
+        return f"exited with code {code}"
+
+    def log_tail(self, lines: int = 8) -> str:
+        return "\n".join(_tail(self.log_path).splitlines()[-lines:])
+
     @property
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None

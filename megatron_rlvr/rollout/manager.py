@@ -1,12 +1,18 @@
 """The rollout manager: spreads prompt groups over the engines, hands each group to its
-consumer the moment it finishes, and keeps going when an engine dies (its groups move to the
-others; the engine is restarted when a restarter is given, and serves again once it holds
-the run's current weights: see readmit)."""
+consumer the moment it finishes, and keeps going when an engine dies.
+
+A request that fails at the connection level is not yet a dead engine: a keep-alive
+connection closed under the client looks the same. The engine's /health decides: if it
+answers, the group is retried there; if not, the engine is restarted (when a restarter is
+given) and the group moves to another serving engine, or, when none serves, waits until one
+does again (a restarted engine serves once it holds the run's current weights: see readmit).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -18,6 +24,11 @@ from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, decode_rout
 from megatron_rlvr.samples import Group, Sample
 
 log = logging.getLogger(__name__)
+
+
+class EnginesNeedWeights(RuntimeError):
+    """Every engine was restarted and waits for the run's current weights: only the learner
+    can give them, so the caller syncs, and the groups waiting for an engine go on."""
 
 
 @dataclass(frozen=True)
@@ -40,9 +51,12 @@ class PromptItem:
 class RolloutManager:
     def __init__(self, clients: list[EngineClient], sampling: p.SamplingParams, *,
                  routing: RoutingShape | None = None, max_attempts: int = 3,
-                 restart: Callable[[int], Awaitable[bool]] | None = None):
-        """restart(engine) brings a dead engine's server back and says whether it had to (a
-        server that is alive but slow to answer is left alone)."""
+                 restart: Callable[[int], Awaitable[str | None]] | None = None,
+                 serving_wait_s: float = 1800.0):
+        """restart(engine) brings a dead engine's server back and says how the old one ended
+        (None: it was alive, only slow, and was left alone). max_attempts: failures a group
+        may meet before it fails. serving_wait_s: how long a group waits for an engine to
+        serve again when none does (restart, then the learner's weights)."""
         if not clients:
             raise ValueError("the rollout manager needs at least one engine")
         self.clients = clients
@@ -50,12 +64,14 @@ class RolloutManager:
         self.routing = routing
         self.max_attempts = max_attempts
         self.restart = restart
+        self.serving_wait_s = serving_wait_s
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
-        self.stats: Counter[str] = Counter()  # moved (to another engine), failed, aborted
+        self.stats: Counter[str] = Counter()  # moved (to another engine), retried (same engine), failed, aborted
         self._tasks: set[asyncio.Task] = set()
         self._restarts: set[asyncio.Task] = set()
         self._restarting: set[int] = set()
         self.restarted: set[int] = set()  # back up, but holding initial weights
+        self._weights_needed = asyncio.Event()  # set while every engine waits for weights
 
     @property
     def in_flight(self) -> int:
@@ -75,17 +91,45 @@ class RolloutManager:
         return group_id
 
     async def next_group(self, timeout_s: float | None = None) -> Group:
-        return await asyncio.wait_for(self.finished.get(), timeout_s)
+        """The next finished group. Raises EnginesNeedWeights instead when no engine serves
+        and every one of them is back but waits for the run's weights (groups waiting for an
+        engine would otherwise wait for ever), and TimeoutError after timeout_s."""
+        get = asyncio.ensure_future(self.finished.get())
+        needed = asyncio.ensure_future(self._weights_needed.wait())
+        try:
+            done, _ = await asyncio.wait({get, needed}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            needed.cancel()
+            if not get.done():
+                get.cancel()
+        if get in done:
+            return get.result()
+        if needed in done:
+            raise EnginesNeedWeights("every engine was restarted and waits for the run's weights")
+        raise TimeoutError(f"no group finished within {timeout_s} s")
 
     async def abort_all(self) -> None:
         """Aborts every outstanding request; their groups arrive marked aborted."""
         await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy),
                              return_exceptions=True)
 
-    def _pick(self, tried: set[int]) -> int | None:
-        usable = [i for i in range(len(self.clients)) if i not in tried and i not in self.restarted]
+    def _serving(self) -> list[int]:
+        return [i for i in range(len(self.clients)) if i not in self._restarting | self.restarted]
+
+    def _pick(self, avoid: int | None = None) -> int | None:
+        """The least busy serving engine other than `avoid`, healthy ones first."""
+        usable = [i for i in self._serving() if i != avoid]
         candidates = [i for i in usable if self.clients[i].healthy] or usable
         return min(candidates, key=lambda i: self.clients[i].in_flight) if candidates else None
+
+    async def _wait_for_a_serving_engine(self, group_id: str) -> int | None:
+        """When no engine serves (the only one died): waits, bounded, until one does again."""
+        deadline = time.monotonic() + self.serving_wait_s
+        while (engine := self._pick()) is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+        if engine is None:
+            log.error("group %s: no engine served again within %.0f s", group_id, self.serving_wait_s)
+        return engine
 
     async def _run_group(self, item: PromptItem, group_id: str, n: int) -> None:
         request = p.GenerateReqInput(
@@ -93,21 +137,18 @@ class RolloutManager:
             sampling_params=self.sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
             return_routed_experts=self.routing is not None,
         )
-        tried: set[int] = set()
-        error = "no engine available"
-        for _ in range(self.max_attempts):
-            engine = self._pick(tried)
+        failures, engine, error = 0, self._pick(), "no engine available"
+        while failures < self.max_attempts:
             if engine is None:
-                break
-            tried.add(engine)
+                engine = await self._wait_for_a_serving_engine(group_id)
+                if engine is None:
+                    break
             try:
                 responses = await self.clients[engine].generate(request)
                 group = self._group(item, group_id, responses, engine)
             except EngineUnavailable as err:
-                error = str(err)
-                self.stats["moved"] += 1
-                log.warning("engine %d failed group %s, moving it: %s", engine, group_id, err)
-                self._schedule_restart(engine)
+                failures, error = failures + 1, str(err)
+                engine = await self._after_connection_failure(engine, group_id, err)
                 continue
             except (EngineRequestError, RoutedExpertsError) as err:
                 error = str(err)
@@ -116,7 +157,26 @@ class RolloutManager:
             await self.finished.put(group)
             return
         self.stats["failed"] += 1
+        log.error("group %s failed: %s", group_id, error)
         await self.finished.put(Group(item.prompt_id, group_id, [], item.answer, error=error))
+
+    async def _after_connection_failure(self, engine: int, group_id: str, err: Exception) -> int | None:
+        """Where a group goes after its request to `engine` failed at the connection level:
+        the same engine if it answers /health (counted as retried), else another serving
+        engine (counted as moved) while this one restarts, else None (wait for one)."""
+        if await self.clients[engine].health():
+            self.stats["retried"] += 1
+            log.warning("engine %d dropped group %s but answers /health: retrying there (%s)", engine, group_id, err)
+            return engine
+        self._schedule_restart(engine)
+        other = self._pick(avoid=engine)
+        if other is not None:
+            self.stats["moved"] += 1
+            log.warning("engine %d is down: group %s moves to engine %d (%s)", engine, group_id, other, err)
+        else:
+            log.warning("engine %d is down and no other engine serves: group %s waits for it (%s)",
+                        engine, group_id, err)
+        return other
 
     def _group(self, item: PromptItem, group_id: str, responses: list[p.GenerateResponse],
                engine: int) -> Group:
@@ -149,8 +209,13 @@ class RolloutManager:
 
         async def restart() -> None:
             try:
-                if await self.restart(engine):
+                how = await self.restart(engine)
+                if how is not None:
+                    log.warning("engine %d (%s) %s\nrestarted: it serves again once it holds the run's weights",
+                                engine, self.clients[engine].base_url, how)
                     self.restarted.add(engine)
+                    if not self._serving() and not self._restarting - {engine}:
+                        self._weights_needed.set()
             except Exception as err:  # the engine stays out; the others carry on
                 log.error("engine %d could not be restarted: %s", engine, err)
             finally:
@@ -159,10 +224,6 @@ class RolloutManager:
         task = asyncio.create_task(restart())
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
-
-    async def wait_for_restarts(self) -> None:
-        if self._restarts:
-            await asyncio.gather(*self._restarts, return_exceptions=True)
 
     async def readmit(self, version: int | str) -> list[int]:
         """Restarted engines that now hold `version` (the weight sync reached them) take
@@ -176,4 +237,6 @@ class RolloutManager:
             if info["weight_version"] == str(version):
                 self.restarted.discard(engine)
                 back.append(engine)
+        if self._serving():
+            self._weights_needed.clear()
         return back

@@ -34,11 +34,6 @@ class NothingToLearn(RuntimeError):
     """A step's generation bound was spent without the useful groups one batch needs."""
 
 
-class EnginesNeedWeights(RuntimeError):
-    """Every engine is restarted and waiting for the current weights: only the learner can
-    give them, so the caller syncs and asks again."""
-
-
 Score = Callable[[list[str], list[str]], Awaitable[list[float]]]  # responses, golds → rewards
 
 
@@ -137,10 +132,6 @@ class ActiveSampler:
             room = self.max_groups - self._generated
             if room <= 0 and not self._pending:
                 break
-            if self.manager.serving == 0:
-                await self.manager.wait_for_restarts()
-                if self.manager.serving == 0 and self.manager.restarted:
-                    raise EnginesNeedWeights("every engine was restarted and waits for the weights")
             self._top_up(batch_groups - useful, room)
             await self._file(await self._next_in_order())
         while drain and self._pending:
