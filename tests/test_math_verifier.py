@@ -1,18 +1,27 @@
-"""The sympy math verifier on labelled cases, adversarial inputs and its sandbox."""
+"""The math verifier on labelled cases (tests/data/math_cases*.jsonl), hostile inputs, random
+garbage, and its sandbox; plus the pieces that decide where an answer is and what it says."""
 
 import json
+import random
+import subprocess
+import sys
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 
 import pytest
 
 from megatron_rlvr.rewards import VERIFIERS
-from megatron_rlvr.rewards.math import MathVerifier, verify_math, verify_math_batch, verify_math_detailed
-from megatron_rlvr.rewards.math_text import compact, extract_answer, normalize
+from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
+from megatron_rlvr.rewards.math_latex import clean
+from megatron_rlvr.rewards.math_parse import parse_answer
+from megatron_rlvr.rewards.math_text import extract_answers
 
-CASES = [json.loads(line) for line in (Path(__file__).parent / "data" / "math_cases.jsonl").open()]
+DATA = Path(__file__).parent / "data"
+CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]
+FAMILY_CASES = [json.loads(line) for line in (DATA / "math_cases_families.jsonl").open()]
 TIMEOUT = 2.0
+REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -21,52 +30,78 @@ def verifier():
         yield v
 
 
-def test_enough_labelled_cases():
-    assert len(CASES) >= 150
-    tags = Counter(c["tag"] for c in CASES)
-    assert tags["adversarial"] >= 20 and sum(c["label"] for c in CASES) < len(CASES)
+def test_the_labelled_set_covers_every_family_both_ways():
+    assert len(FAMILY_CASES) >= 400
+    labels = defaultdict(set)
+    for case in FAMILY_CASES:
+        labels[case["tag"]].add(case["label"])
+    one_sided = {tag for tag, seen in labels.items() if seen != {0, 1} and tag != "adversarial"}
+    assert not one_sided, one_sided
+    assert len(labels) >= 25
 
 
 def test_every_labelled_case(verifier):
     verdicts = verifier.verify_batch([c["response"] for c in CASES], [c["gold"] for c in CASES])
-    wrong = [(c["tag"], c["response"][-50:], c["gold"], v) for c, v in zip(CASES, verdicts)
+    wrong = [(c["tag"], c["response"][-60:], c["gold"][:60], v) for c, v in zip(CASES, verdicts)
              if v[0] != c["label"]]
     assert not wrong, wrong
-    assert all(v[0] in (0.0, 1.0) and isinstance(v[1], str) for v in verdicts)
+    assert all(v[0] in (0.0, 1.0) and isinstance(v[1], str) and v[1] for v in verdicts)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["tag"] == "adversarial"],
                          ids=lambda c: repr(c["response"][:30]))
-def test_adversarial_inputs_return_zero_within_the_timeout(verifier, case):
+def test_hostile_inputs_return_zero_within_the_timeout(verifier, case):
     start = time.monotonic()
     reward, reason = verifier.verify(case["response"], case["gold"])
     assert reward == 0.0 and reason
     assert time.monotonic() - start < TIMEOUT + 1.5
 
 
-def test_runaway_sympy_is_killed_and_the_pool_recovers(verifier):
-    # passes the size guards but makes sympy simplify for a very long time
-    nasty = "\\boxed{(x+1)^{200}(y+2)^{150} - (y+2)^{150}(x+1)^{200} + (x+y)^{300}}"
+def test_a_megabyte_response_is_read_in_time(verifier):
     start = time.monotonic()
-    reward, reason = verifier.verify(nasty, "x^2", timeout_s=0.5)
-    elapsed = time.monotonic() - start
-    assert reward == 0.0 and reason == "timeout" and elapsed < 2.0
-    assert verifier.verify("\\boxed{2\\sqrt{2}}", "\\sqrt{8}") == (1.0, "sympy_equal")
+    assert verifier.verify("x" * 1_000_000 + " so the answer is \\boxed{12}", "12") == (1.0, "exact")
+    assert verifier.verify("(" * 500_000 + "$" * 500_000, "12")[0] == 0.0
+    assert verifier.verify("\\boxed{" * 200_000, "12")[0] == 0.0
+    assert time.monotonic() - start < 10
+
+
+def test_runaway_sympy_is_killed_and_the_pool_recovers(verifier):
+    # exact numbers are no help and doubles overflow, so sympy must evaluate sin of a number
+    # with ~10^8 digits: minutes, unless the worker is killed
+    start = time.monotonic()
+    reward, reason = verifier.verify("\\boxed{\\sin(e^{e^{e^{3}}})}", "0", timeout_s=0.5)
+    assert reward == 0.0 and reason == "timeout" and time.monotonic() - start < 2.0
+    assert verifier.verify("\\boxed{\\tan^{6} x}", "\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1") == (1.0, "sympy_equal")
 
 
 def test_sandbox_never_executes_answer_code(verifier, tmp_path):
     marker = tmp_path / "pwned"
-    attack = f"\\boxed{{__import__('os').system('touch {marker}')}}"
-    assert verifier.verify(attack, "0")[0] == 0.0
-    assert verifier.verify("\\boxed{exec}", "0")[0] == 0.0
+    for attack in (f"\\boxed{{__import__('os').system('touch {marker}')}}", "\\boxed{exec}",
+                   f"The answer is eval(\"open('{marker}', 'w')\")"):
+        assert verifier.verify(attack, "0")[0] == 0.0
     assert not marker.exists()
+
+
+def test_random_garbage_never_raises_and_never_hangs():
+    pieces = ["\\frac", "\\sqrt", "{", "}", "(", ")", "[", "]", "^", "_", "\\boxed{", "1", "x", "e", "2e3", ",",
+              "\\pm", "=", "<", "\\le", "|", "\\{", "\\}", "\\text{ or }", "\\%", "^\\circ", "\\begin{pmatrix}",
+              "&", "\\\\", "\\end{pmatrix}", "\\infty", "\\cup", "!", "\\log_", "\\sin", "-", ".", "\\overline{3}",
+              " ", "\u221a", "\u00b2", "\\left(", "\\right.", "\\TXT{", "\\cr", "0.", "\\binom"]
+    rng = random.Random(0)
+    start = time.monotonic()
+    for _ in range(3000):
+        text = "".join(rng.choice(pieces) for _ in range(rng.randint(1, 30)))
+        verdict = prepare(f"\\boxed{{{text}}}", rng.choice(["1", "x^2", "(1,2)", "[0,1)", text]))
+        assert len(verdict) == 2 and isinstance(verdict[0], (float, str)), (text, verdict)
+    assert time.monotonic() - start < 30
 
 
 def test_reasons_are_counted(verifier):
     before = verifier.stats.copy()
-    verifier.verify_batch(["\\boxed{1}", "no number here", "\\boxed{9^9^9^9}"], ["1", "1", "1"])
+    verifier.verify_batch(["\\boxed{1}", "no number here", "\\boxed{9^{9^{9^9}}}", "\\boxed{3} or \\boxed{4}"],
+                          ["1", "1", "1", "3"])
     delta = verifier.stats - before
-    assert delta["exact"] == 1 and delta["no_answer"] == 1 and delta["too_large"] == 1
+    assert delta == Counter({"exact": 1, "no_answer": 1, "too_large": 1, "hedged": 1})
 
 
 def test_function_api_and_registry():
@@ -78,14 +113,56 @@ def test_function_api_and_registry():
     assert verify_math(None, "1") == 0.0  # type: ignore[arg-type]
 
 
-def test_extraction_and_normalisation_units():
-    assert extract_answer("a \\boxed{1} b \\boxed{\\frac{2}{3}} c") == "\\frac{2}{3}"
-    assert extract_answer("The answer is 12. Done.") == "12"
-    assert extract_answer("x=1 then y = -3.5 in the end") == "-3.5"
-    assert normalize("\\$1,234.50") == "1234.50"
-    assert compact(normalize("\\left( 1, 2 \\right)")) == "(1,2)"
-    assert normalize("45^{\\circ}") == "45"
-    assert normalize("x = \\dfrac{1}{2}") == "\\frac{1}{2}"
+@pytest.mark.parametrize("response, answers", [
+    ("a \\boxed{1} b \\boxed{\\frac{2}{3}} c", ["\\frac{2}{3}"]),
+    ("The roots are $x = \\boxed{3}$ and $x = \\boxed{-4}$.", ["3", "-4"]),
+    ("It is $\\boxed{7}$. Alternatively, counting endpoints, it is $\\boxed{9}$.", ["7", "9"]),
+    ("It is $\\boxed{7}$. Wait, I made a mistake: it is actually $\\boxed{9}$.", ["9"]),
+    ("<think>maybe \\boxed{5}</think>\nThe answer is 6.", ["6"]),
+    ("The answer is 12. Done.", ["12"]),
+    ("Final Answer: The final answer is $3.5$. I hope it is correct.", ["3.5"]),
+    ("The solutions are $x=1$ and $x=5$.", ["x=1", "x=5"]),
+    ("She pays $3 each.\n#### 1,234", ["1,234"]),
+    ("x=1 then y = -3.5 in the end", ["-3.5"]),
+    ("so we get $x = \\frac{1}{2}$", ["x = \\frac{1}{2}"]),
+    ("\\boxed{\\boxed{4}}", ["4"]),
+])
+def test_where_the_final_answer_is(response, answers):
+    assert extract_answers(response) == answers
+
+
+@pytest.mark.parametrize("answer, cleaned", [
+    ("\\$1{,}234.50", "1234.50"),
+    ("1\\,000\\,000", "1000000"),
+    ("\\left( 1, 2 \\right)", "( 1, 2 )"),
+    ("x = \\dfrac{1}{2}", "x = \\frac{1}{2}"),
+    ("{3 \\over 4}", "\\frac{3 }{ 4}"),
+    ("12\\text{ m}^2", "12 \\TXT{m} ^2"),
+    ("\u22125 \u00d7 \u221a3", "-5 \\times \\sqrt{3}"),
+    ("45^{\\circ}", "45 \\deg"),
+])
+def test_cleaning(answer, cleaned):
+    assert clean(answer) == cleaned
+
+
+def test_a_number_literal_never_makes_a_symbol():
+    assert parse_answer("3e2") == ("num", 300)
+    assert parse_answer("2.5E-1") == ("num", 0.25)
+    assert parse_answer("4e-x")[0] == "add"  # 4e − x: no digits after e, so Euler's number
+    assert parse_answer(clean("2\\frac{1}{2}")) == ("num", 2.5)
+    assert parse_answer(clean("2\\frac{\\pi}{2}"))[0] == "mul"
+    assert verify_math("\\boxed{3e2}", "6e") == 0.0
+
+
+def test_the_command_line_tool_shows_the_verdict_and_reason(tmp_path):
+    tool = [sys.executable, str(REPO / "tools" / "verify_math.py")]
+    out = subprocess.run(tool + ["The answer is \\boxed{1\\frac{3}{4}}.", "7/4"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.split() == ["1.0", "numeric_equal"], out
+    (tmp_path / "response.txt").write_text("so x > -1, that is \\boxed{[-1, \\infty)}")
+    out = subprocess.run(tool + ["--response-file", str(tmp_path / "response.txt"), "x > -1"],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 1 and out.stdout.split() == ["0.0", "shape_mismatch"], out
 
 
 def test_batch_length_mismatch_is_a_caller_error(verifier):
@@ -97,6 +174,7 @@ def test_a_sandbox_that_cannot_start_fails_fast_instead_of_hanging():
     # 16 MiB of address space is too little for Python to start: every worker dies at once
     with MathVerifier(timeout_s=1.0, num_workers=1, memory_mb=16) as broken:
         start = time.monotonic()
-        verdicts = broken.verify_batch(["\\boxed{x^2}", "\\boxed{3}"], ["x*x", "3"])
+        verdicts = broken.verify_batch(["\\boxed{\\tan^6 x}", "\\boxed{3}"],
+                                       ["\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1", "3"])
         assert time.monotonic() - start < 30
     assert verdicts == [(0.0, "sandbox_unavailable"), (1.0, "exact")]

@@ -1,9 +1,11 @@
 """Math answer verification: `verify_math(response, gold)` → 1.0 or 0.0.
 
-Fast checks run in the caller (exact string after normalisation, exact rational
-comparison); only what they cannot decide goes to sympy, in sandboxed worker processes
-with a hard per-answer timeout. Nothing here raises to the caller or hangs: every failure is
-a 0.0 with a reason, and `MathVerifier.stats` counts the reasons.
+In the caller's process, every step bounded: find the final answer (math_text), clean it
+(math_latex), parse it into a tree (math_parse) and compare with exact numbers, canonical
+forms and sampled values (math_compare, math_eval). Only pairs these cannot settle go to
+sympy, in sandboxed worker processes with a hard per-answer timeout. Nothing here raises to
+the caller or hangs: every failure is a 0.0 with a reason, and `MathVerifier.stats` counts
+the reasons (the run logs them as `verifier/<reason>`).
 """
 
 from __future__ import annotations
@@ -12,36 +14,40 @@ import atexit
 import functools
 from collections import Counter
 
-from megatron_rlvr.rewards.math_text import (
-    AnswerError,
-    compact,
-    extract_answer,
-    last_boxed,
-    normalize,
-    parse_number,
-)
+from megatron_rlvr.rewards.math_compare import FastBackend, compare
+from megatron_rlvr.rewards.math_latex import clean
+from megatron_rlvr.rewards.math_parse import parse_answer, text_node
+from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
 from megatron_rlvr.rewards.sandbox import SandboxPool
 
 Verdict = tuple[float, str]
+_FAST = FastBackend()
 
 
-def _prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
-    """A verdict when the string-level checks decide, else the normalised (pred, gold)."""
+def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
+    """A verdict when the in-process checks decide, else the cleaned (pred, gold) for sympy."""
     try:
         if not isinstance(response, str) or not isinstance(gold, str):
             return 0.0, "not_a_string"
-        gold_norm = normalize(last_boxed(gold) or gold)
-        pred_norm = normalize(extract_answer(response))
-        if not pred_norm:
+        gold_clean = clean(gold_answer(gold))
+        pred_clean = ", ".join(clean(answer) for answer in extract_answers(response))
+        if not pred_clean.strip(", "):
             return 0.0, "no_answer"
-        if compact(pred_norm) == compact(gold_norm):
+        if pred_clean == gold_clean:  # clean() folded the spacing; 4e-1 is not 4e - 1
             return 1.0, "exact"
-        pred_num, gold_num = parse_number(pred_norm), parse_number(gold_norm)
-        if pred_num is not None and gold_num is not None:
-            return (1.0, "numeric_equal") if pred_num == gold_num else (0.0, "numeric_mismatch")
-        return pred_norm, gold_norm
+        try:
+            gold_tree = parse_answer(gold_clean)
+        except AnswerError:  # a gold answer in prose: compare it as words
+            equal = text_node(gold_clean) == text_node(pred_clean)
+            return (1.0, "text_equal") if equal else (0.0, "gold_unparsed")
+        equal, reason = compare(parse_answer(pred_clean), gold_tree, _FAST)
+        if equal is None:
+            return pred_clean, gold_clean
+        return (1.0 if equal else 0.0), reason
     except AnswerError as err:
         return 0.0, err.reason
+    except RecursionError:
+        return 0.0, "too_deep"
     except Exception as err:  # a verifier must never take the caller down
         return 0.0, f"internal_error:{type(err).__name__}"
 
@@ -63,7 +69,7 @@ class MathVerifier:
         """Verdicts for many pairs; the undecided ones share the worker pool in parallel."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
-        prepared = [_prepare(r, g) for r, g in zip(responses, golds)]
+        prepared = [prepare(r, g) for r, g in zip(responses, golds)]
         undecided = [i for i, p in enumerate(prepared) if isinstance(p[0], str)]
         verdicts: list[Verdict] = list(prepared)  # type: ignore[arg-type]
         if undecided:

@@ -1,19 +1,17 @@
-"""Sympy equivalence checks of model answers in killable worker processes.
+"""Sympy comparisons of model answers in killable worker processes.
 
-Model output is untrusted: sympy's parser evaluates Python, and simplification of a crafted
-expression (a power tower, a huge factorial) can take unbounded time and memory. So the
-comparison runs in child processes (`python -m megatron_rlvr.rewards.sandbox`) with an
-address-space limit, a whitelisted character set, no builtins, and a parent that kills a
-worker past its deadline and starts a fresh one. The caller never waits longer than the
-timeout and never sees an exception.
+Model output is untrusted: simplifying a crafted expression (a power tower, a huge factorial)
+can take unbounded time and memory. So the sympy side of a comparison runs in child processes
+(`python -m megatron_rlvr.rewards.sandbox`) with an address-space limit, and a parent that
+kills a worker past its deadline and starts a fresh one. Workers get cleaned answer strings,
+parse them with the same bounded parser (math_parse) and build sympy objects by constructor
+calls: nothing from a response is ever evaluated as code. The caller never waits longer than
+the timeout and never sees an exception.
 """
-
 from __future__ import annotations
 
-import cmath
 import json
 import os
-import re
 import selectors
 import subprocess
 import sys
@@ -22,129 +20,22 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_rlvr.rewards.math_text import AnswerError, latex_to_expr, structure
+from megatron_rlvr.rewards.math_parse import parse_answer
+from megatron_rlvr.rewards.math_text import AnswerError
 
-# ============================================================================ worker side
-_SAFE_EXPR = re.compile(r"^[0-9A-Za-z+\-*/().,! ]*$")
-_BAD_DOT = re.compile(r"\.(?!\d)")
-_BIG_FACTORIAL = re.compile(r"\d{4,}\s*!")  # sympy evaluates factorial(n) while parsing
-MAX_EXPONENT = 10_000
-MAX_FACTORIAL = 1_000
 MAX_START_FAILURES = 3
 
 
-def _sympy_namespace() -> dict:
-    import sympy
+# ============================================================================ worker side
+def compare_in_worker(pred: str, gold: str) -> tuple[bool, str]:
+    """Worker-side verdict on two cleaned answers → (equal, reason). Parsing is repeated here
+    (it is cheap) so that only strings cross the pipe."""
+    from megatron_rlvr.rewards.math_compare import compare
+    from megatron_rlvr.rewards.math_sympy import SympyBackend
 
-    names = (
-        "Integer Float Rational Symbol Function Add Mul Pow factorial sqrt root pi oo E I "
-        "log exp sin cos tan cot sec csc asin acos atan"
-    ).split()
-    namespace = {name: getattr(sympy, name) for name in names}
-    namespace["__builtins__"] = {}
-    return namespace
-
-
-def _guard_size(expr) -> None:
-    """Refuses expressions whose evaluation would explode (9^9^9^9, 10^6!) before sympy
-    tries: the timeout would catch them too, but only after burning the whole budget."""
-    import sympy
-
-    for node in sympy.preorder_traversal(expr):
-        if isinstance(node, sympy.Pow) and node.exp.is_number and node.base.is_number:
-            try:
-                exponent = abs(complex(node.exp.evalf(15)))
-            except (OverflowError, TypeError, ValueError):
-                raise AnswerError("too_large")
-            if exponent > MAX_EXPONENT and abs(complex(node.base.evalf(15))) not in (0.0, 1.0):
-                raise AnswerError("too_large")
-        if isinstance(node, sympy.factorial) and node.args[0].is_number:
-            if abs(complex(node.args[0].evalf(15))) > MAX_FACTORIAL:
-                raise AnswerError("too_large")
-
-
-def _to_sympy(text: str, namespace: dict):
-    from sympy.parsing.sympy_parser import (
-        convert_xor,
-        implicit_multiplication_application,
-        parse_expr,
-        standard_transformations,
-    )
-
-    code = latex_to_expr(text)
-    if not _SAFE_EXPR.match(code) or _BAD_DOT.search(code):
-        raise AnswerError("unsafe_input")
-    if _BIG_FACTORIAL.search(code):
-        raise AnswerError("too_large")
-    transformations = standard_transformations + (implicit_multiplication_application, convert_xor)
     try:
-        lazy = parse_expr(code, local_dict={}, global_dict=dict(namespace),
-                          transformations=transformations, evaluate=False)
-        _guard_size(lazy)
-        return parse_expr(code, local_dict={}, global_dict=dict(namespace),
-                          transformations=transformations)
-    except AnswerError:
-        raise
-    except Exception:
-        raise AnswerError("parse_error")
-
-
-def _expr_equal(a: str, b: str, namespace: dict) -> bool:
-    import sympy
-
-    ea, eb = _to_sympy(a, namespace), _to_sympy(b, namespace)
-    if ea == eb:
-        return True
-    if not ea.free_symbols and not eb.free_symbols:
-        va, vb = complex(sympy.N(ea, 30)), complex(sympy.N(eb, 30))
-        if not (cmath.isfinite(va) and cmath.isfinite(vb)):
-            return va == vb
-        return abs(va - vb) <= 1e-9 * max(1.0, abs(va), abs(vb))
-    if sympy.simplify(ea - eb) == 0:
-        return True
-    return ea.equals(eb) is True
-
-
-def _unordered_equal(xs: list, ys: list, namespace: dict) -> bool:
-    if len(xs) != len(ys):
-        return False
-    remaining = list(ys)
-    for x in xs:
-        match = next((i for i, y in enumerate(remaining) if _structure_equal(x, y, namespace)), None)
-        if match is None:
-            return False
-        remaining.pop(match)
-    return True
-
-
-def _structure_equal(a: tuple, b: tuple, namespace: dict) -> bool:
-    # "(1, 2)" reads as a tuple, but equals the open interval (1, 2)
-    if a[0] == "tuple" and b[0] == "interval" or a[0] == "interval" and b[0] == "tuple":
-        tup, itv = (a, b) if a[0] == "tuple" else (b, a)
-        if len(tup[1]) != 2 or not (itv[3] and itv[4]):
-            return False
-        return all(t[0] == "expr" for t in tup[1]) and _structure_equal(
-            ("interval", tup[1][0][1], tup[1][1][1], True, True), itv, namespace
-        )
-    if a[0] != b[0]:
-        return False
-    kind = a[0]
-    if kind == "expr":
-        return _expr_equal(a[1], b[1], namespace)
-    if kind == "interval":
-        return a[3:] == b[3:] and all(_expr_equal(x, y, namespace) for x, y in zip(a[1:3], b[1:3]))
-    if kind == "tuple":
-        return len(a[1]) == len(b[1]) and all(
-            _structure_equal(x, y, namespace) for x, y in zip(a[1], b[1])
-        )
-    return _unordered_equal(a[1], b[1], namespace)  # set, list, union
-
-
-def compare_answers(pred: str, gold: str, namespace: dict) -> tuple[bool, str]:
-    """Worker-side verdict on two normalised answers → (equal, reason)."""
-    try:
-        equal = _structure_equal(structure(pred), structure(gold), namespace)
-        return equal, "sympy_equal" if equal else "sympy_mismatch"
+        equal, reason = compare(parse_answer(pred), parse_answer(gold), SympyBackend())
+        return bool(equal), reason
     except AnswerError as err:
         return False, err.reason
     except MemoryError:
@@ -162,11 +53,11 @@ def _serve(memory_mb: int) -> None:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
     sys.stdout = sys.stderr  # nothing sympy prints can corrupt the protocol
-    namespace = _sympy_namespace()
+    compare_in_worker("1", "1")  # import sympy before saying ready
     protocol.write('{"ready": true}\n')
     for line in sys.stdin:
         task = json.loads(line)
-        equal, reason = compare_answers(task["pred"], task["gold"], namespace)
+        equal, reason = compare_in_worker(task["pred"], task["gold"])
         protocol.write(json.dumps({"equal": equal, "reason": reason}) + "\n")
 
 
