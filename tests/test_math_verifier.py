@@ -57,12 +57,14 @@ def test_hostile_inputs_return_zero_within_the_timeout(verifier, case):
     assert time.monotonic() - start < TIMEOUT + 1.5
 
 
-def test_a_megabyte_response_is_read_in_time(verifier):
+def test_megabyte_and_backtracking_bait_responses_are_read_in_time(verifier):
+    # the caller's process has no timeout: every pattern that reads a response must be linear
     start = time.monotonic()
     assert verifier.verify("x" * 1_000_000 + " so the answer is \\boxed{12}", "12") == (1.0, "exact")
-    assert verifier.verify("(" * 500_000 + "$" * 500_000, "12")[0] == 0.0
-    assert verifier.verify("\\boxed{" * 200_000, "12")[0] == 0.0
-    assert time.monotonic() - start < 10
+    for bait in ("(" * 500_000 + "$" * 500_000, "\\boxed{" * 200_000, "answer" + " " * 300_000 + "x",
+                 "\\(" * 200_000, "the answer is 5" + " " * 3_000 + "x", "the roots of " + "a" * 500_000 + " are"):
+        assert verifier.verify(bait, "12")[0] == 0.0
+    assert time.monotonic() - start < 20
 
 
 def test_runaway_sympy_is_killed_and_the_pool_recovers(verifier):

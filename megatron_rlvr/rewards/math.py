@@ -15,13 +15,25 @@ import functools
 from collections import Counter
 
 from megatron_rlvr.rewards.math_compare import FastBackend, compare
-from megatron_rlvr.rewards.math_latex import clean
+from megatron_rlvr.rewards.math_latex import clean, units
 from megatron_rlvr.rewards.math_parse import parse_answer, text_node
 from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
+from megatron_rlvr.rewards.math_tokens import tokenize
 from megatron_rlvr.rewards.sandbox import SandboxPool
 
 Verdict = tuple[float, str]
 _FAST = FastBackend()
+
+
+def _same_tokens(a: str, b: str) -> bool:
+    """Equal up to spacing that does not change meaning (3 : 4 and 3:4, but never 4e-1 and
+    4e - 1)."""
+    if a == b:
+        return True
+    try:
+        return tokenize(a) == tokenize(b)
+    except AnswerError:
+        return False
 
 
 def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
@@ -33,8 +45,11 @@ def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
         pred_clean = ", ".join(clean(answer) for answer in extract_answers(response))
         if not pred_clean.strip(", "):
             return 0.0, "no_answer"
-        if pred_clean == gold_clean:  # clean() folded the spacing; 4e-1 is not 4e - 1
+        if _same_tokens(pred_clean, gold_clean):
             return 1.0, "exact"
+        pred_units, gold_units = units(pred_clean), units(gold_clean)
+        if pred_units and gold_units and pred_units != gold_units:
+            return 0.0, "unit_mismatch"  # 5 km is not 5 m (a unit on one side only is ignored)
         try:
             gold_tree = parse_answer(gold_clean)
         except AnswerError:  # a gold answer in prose: compare it as words

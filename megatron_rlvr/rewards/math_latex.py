@@ -38,7 +38,7 @@ _WRAPPERS = re.compile(
     r"|\\(?:left|right)\s*(?:\.|(?=[^a-zA-Z]))|\\(?:left|right)(?=\\)|\$|\\[()\[\]]"
 )
 _SPACES = re.compile(r"\\[,;:> ]|\\q?quad(?![a-zA-Z])|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
-_THOUSANDS_BRACE = re.compile(r"(?<=\d)\{,\}(?=\d{3})")
+_THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000
 _THOUSANDS_THIN = re.compile(r"(?<=\d)(?:\\[,;: !]|~)(?=\d{3}(?!\d))")
 _THOUSANDS_SPACE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.])")
 _THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])")
@@ -60,15 +60,44 @@ KNOWN_FUNCTIONS = {
     "sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh",
     "log", "ln", "exp", "sqrt", "pi", "cis", "lg",
 }
-_TWO_LETTER_WORDS = {"cm", "km", "mm", "ft", "kg", "mg", "hr", "lb", "oz", "mi", "yd", "ml", "no", "in"}
+_TWO_LETTER_WORDS = {"cm", "km", "mm", "ft", "kg", "mg", "hr", "lb", "oz", "mi", "yd", "ml", "no", "in", "of", "is",
+                     "to", "on"}  # never "by" or "at": ax + by, v + at
 _WORD = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z]{2,})(?![a-zA-Z{])")
 _PROTECTED = re.compile(r"(\\(?:TXT|begin|end)\{[^{}]*\})")
 _MATH_FONTS = {"mathrm", "mathbf", "mathit", "mathsf", "mathtt", "boldsymbol", "bm"}
 
 
+_UNITS = {  # spelling → one name per unit; a unit is only compared when both answers name one
+    "m": "m", "meter": "m", "meters": "m", "metre": "m", "metres": "m", "cm": "cm", "centimeter": "cm",
+    "centimeters": "cm", "mm": "mm", "millimeter": "mm", "millimeters": "mm", "km": "km", "kilometer": "km",
+    "kilometers": "km", "in": "in", "inch": "in", "inches": "in", "ft": "ft", "foot": "ft", "feet": "ft",
+    "yd": "yd", "yard": "yd", "yards": "yd", "mi": "mi", "mile": "mi", "miles": "mi", "s": "s", "sec": "s",
+    "second": "s", "seconds": "s", "min": "min", "minute": "min", "minutes": "min", "h": "h", "hr": "h",
+    "hrs": "h", "hour": "h", "hours": "h", "day": "day", "days": "day", "week": "week", "weeks": "week",
+    "year": "year", "years": "year", "g": "g", "gram": "g", "grams": "g", "kg": "kg", "kilogram": "kg",
+    "kilograms": "kg", "lb": "lb", "lbs": "lb", "pound": "lb", "pounds": "lb", "oz": "oz", "ounce": "oz",
+    "ounces": "oz", "l": "l", "liter": "l", "liters": "l", "litre": "l", "litres": "l", "ml": "ml",
+    "milliliter": "ml", "milliliters": "ml", "dollar": "dollar", "dollars": "dollar", "cent": "cent",
+    "cents": "cent", "mph": "mph",
+}
+_TXT = re.compile(r"\\TXT\{([^{}]*)\}")
+
+
+def units(cleaned: str) -> frozenset:
+    """The units a cleaned answer names (km, cm, hours …), each by one name."""
+    words = (w.strip(".").lower() for t in _TXT.findall(cleaned) for w in re.split(r"[\s/^\d]+", t))
+    return frozenset(_UNITS[w] for w in words if w in _UNITS)
+
+
 def _text_command(match: re.Match) -> str:
     """One innermost \\text-like command → its content inline, a connective, or a \\TXT word."""
-    command, content = match.group(1), match.group(2).replace("~", " ").strip()
+    command, raw = match.group(1), match.group(2)
+    content = raw.replace("~", " ").strip()
+    before = match.string[max(0, match.start() - 8) : match.start()].rstrip()
+    if command in _MATH_FONTS and re.fullmatch(r"[A-Za-z]", content) and content not in "ei" and (
+            raw.lstrip().startswith("~") or before[-1:].isdigit() or before[-1:] in ("}", "/")
+            or before.endswith("\\cdot")):
+        return r" \TXT{" + content + "} "  # 8 \mathrm{~m}, 5\mathrm{g}, \mathrm{m}/\mathrm{s}: a unit
     if command == "mathbb":
         return r"\reals " if content == "R" else r"\TXT{" + content + "}"
     if content in KNOWN_FUNCTIONS:  # \operatorname{cis}, \text{cis}, \mathrm{sin}

@@ -144,11 +144,18 @@ class _Parser:
                 return node
 
     def unit(self, node):
-        """A word after a value: a unit (dropped), or 'percent' / 'degrees'."""
+        """A word after a value: a unit (dropped, with its powers and quotients: m/s^2), or
+        'percent' / 'degrees'."""
         word = self.take()[1].lower().strip()
-        if self.is_op("^"):  # cm^2
-            self.take()
-            self.exponent()
+        while True:
+            if self.is_op("^"):  # cm^2
+                self.take()
+                self.exponent()
+            elif self.is_op("/", "*") and self.peek(1)[0] == "text":  # m / s
+                self.take()
+                self.take()
+            else:
+                break
         if node[0] == "text":
             return ("text", node[1] + " " + word)
         if word in ("percent", "%"):
@@ -394,7 +401,12 @@ def _mul(a, b):
 def text_node(words: str):
     """Answer words, case- and punctuation-folded; 'no solution' is the empty set, 'all real
     numbers' the real line."""
+    letters = re.sub(r"[\s,;]+", " ", words).strip().split(" ")
+    if len(letters) > 1 and all(len(x) == 1 and x.isalpha() for x in letters):
+        return ("list", tuple(("sym", x.upper()) for x in letters))  # \text{A, C, E}: choices
     folded = " ".join(re.sub(r"[.,;:!?\"']", " ", words).lower().split())
+    if folded in ("infinity", "inf", "positive infinity"):
+        return INFINITY
     if folded in _EMPTY_WORDS:
         return ("empty",)
     if folded in _REAL_WORDS:

@@ -110,13 +110,13 @@ def _final_boxes(text: str) -> list[str]:
     return [content for _, _, content in reversed(group)]
 
 
-_ANSWER_IS = re.compile(
-    r"(?:final answer|the answer|answers?|(?:solutions?|roots?|zeros?) (?:of [^.\n$]{1,60} )?)\s*(?:\*\*)?\s*"
-    r"(?:is|are|:|=)\s*:?\s*(?:\*\*)?\s*(?:either\s+)?",
+_ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any text
+    r"(?:final answer|the answer|answers?|(?:solutions?|roots?|zeros?) (?:of [^.\n$]{1,60} )?)[ \t]*"
+    r"(?:\*\*[ \t]*)?(?:is|are|:|=)",
     re.IGNORECASE,
 )
-_MATH_SPAN = re.compile(r"\$\$(.+?)\$\$|\$(.+?)\$|\\\((.+?)\\\)|\\\[(.+?)\\\]", re.DOTALL)
-_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n|;\s|,?\s+(?:since|because|which|as|so|where|when|for|but)\b")
+_MATH_SPAN = re.compile(r"\$\$(.{1,3000}?)\$\$|\$(.{1,3000}?)\$|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]", re.DOTALL)
+_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b")
 _NUMBER = re.compile(r"(?:[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
 _JOINED_SPANS = re.compile(r"(?:\s|,|;|\band\b|\bor\b|\bboth\b)*", re.IGNORECASE)
 
@@ -129,7 +129,8 @@ def _after_answer_is(tail: str) -> list[str]:
     """The answer that a closing 'the answer is' / '####' starts, up to the end of its sentence
     (a full stop inside $…$ does not end it): the math spans there when only "and", "or" and
     commas join them ("$x=1$ and $x=5$"), else the first span, else the plain text."""
-    tail = tail.lstrip(" \t*:\n")[: MAX_ANSWER_CHARS + 10]
+    tail = tail[: MAX_ANSWER_CHARS + 200].lstrip(" \t*:\n")
+    tail = re.sub(r"^either\s+", "", tail, flags=re.IGNORECASE)
     spans = list(_MATH_SPAN.finditer(tail))
     masked = list(tail)
     for span in spans:

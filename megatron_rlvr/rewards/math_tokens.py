@@ -27,6 +27,7 @@ _OPS = {
     "rangle": "rangle", "lvert": "|", "rvert": "|", "vert": "|", "mid": "|", "lfloor": "lfloor",
     "rfloor": "rfloor", "lceil": "lceil", "rceil": "rceil",
 }
+_DECORATIONS = {"vec", "overrightarrow", "overline", "hat", "widehat", "bar", "tilde", "widetilde", "dot"}
 _NUMBER = re.compile(r"(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][-+]?\d+)?")
 _COMMAND = re.compile(r"\\([a-zA-Z]+|[{}|\\])")
 _PLAIN_FUNCTION = re.compile(
@@ -61,6 +62,9 @@ def tokenize(s: str) -> list[tuple[str, str]]:
             match = _NUMBER.match(s, i)
             tokens.append(("num", match.group(0)))
             i = match.end()
+            if s.startswith("_", i):  # 1011_2: a numeral in another base, kept as written
+                sub, i = _subscript(s, i)
+                tokens[-1] = ("id", f"{match.group(0)}_{sub}")
         elif ch.isalpha():
             plain = _PLAIN_FUNCTION.match(s, i)
             if plain:
@@ -133,6 +137,13 @@ def _command(s: str, i: int, tokens: list) -> int:
         if s.startswith("_", i):
             sub, i = _subscript(s, i)
             tokens.append(("base", sub))
+    elif name in _DECORATIONS:  # \vec{v}, \overline{AB}: a name
+        if s.startswith("{", i):
+            end = matching_brace(s, i)
+            inner, i = s[i + 1 : end].replace(" ", ""), end + 1
+        else:
+            inner, i = s[i : i + 1], i + 1
+        tokens.append(("id", f"{name}{{{inner}}}"))
     elif name in _GREEK:
         name = {"varepsilon": "epsilon", "vartheta": "theta", "varphi": "phi"}.get(name, name)
         if s.startswith("_", i):
