@@ -15,7 +15,7 @@ from megatron_rlvr.rewards import VERIFIERS
 from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
 from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer
-from megatron_rlvr.rewards.math_text import extract_answers
+from megatron_rlvr.rewards.math_text import box_at, box_starts, extract_answers
 
 DATA = Path(__file__).parent / "data"
 CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]
@@ -46,6 +46,31 @@ def test_every_labelled_case(verifier):
              if v[0] != c["label"]]
     assert not wrong, wrong
     assert all(v[0] in (0.0, 1.0) and isinstance(v[1], str) and v[1] for v in verdicts)
+
+
+def _rewrite(case: dict, kind: int) -> tuple[str, str] | None:
+    """A rewrite that no grader would score differently: spacing, \\displaystyle, an extra brace
+    group, \\dfrac, a full stop, the unicode minus; the gold in $…$ or \\boxed{}."""
+    response, gold = case["response"], case["gold"]
+    if kind >= 6:
+        return (response, ("${}$" if kind == 6 else "\\boxed{{{}}}").format(gold)) if "$" not in gold else None
+    boxes = box_starts(response)
+    if not boxes:
+        return None
+    content, end = box_at(response, boxes[0])
+    new = [f" {content} ", f"\\displaystyle {content}", f"{{{content}}}", content.replace("\\frac", "\\dfrac"),
+           f"{content}.", content.replace("-", "\u2212")][kind]
+    return response[: boxes[0]] + "\\boxed{" + new + "}" + response[end:], gold
+
+
+def test_harmless_rewrites_keep_every_verdict(verifier):
+    plain = [c for c in CASES if c["tag"] != "adversarial"]
+    rewritten = [(_rewrite(c, i % 8), c) for i, c in enumerate(plain)]
+    rewritten = [(pair, c) for pair, c in rewritten if pair is not None]
+    assert len(rewritten) > 800
+    verdicts = verifier.verify_batch([p[0] for p, _ in rewritten], [p[1] for p, _ in rewritten])
+    changed = [(p, v) for (p, c), v in zip(rewritten, verdicts) if v[0] != c["label"]]
+    assert not changed, changed
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["tag"] == "adversarial"],

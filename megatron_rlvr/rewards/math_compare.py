@@ -288,7 +288,8 @@ def _difference(relation):
 
 
 def _named_values(coll, length: int) -> tuple | None:
-    """The right sides of `x = 1, y = 2` (distinct names, in order), else None."""
+    """The right sides of `x = 1, y = 2` (distinct names, by name: y = 2, x = 1 is (1, 2) too),
+    else None."""
     items = coll[1]
     if coll[0] != "list" or len(items) != length:
         return None
@@ -296,7 +297,7 @@ def _named_values(coll, length: int) -> tuple | None:
         return None
     if len({i[1][0] for i in items}) != len(items):
         return None
-    return tuple(i[1][1] for i in items)
+    return tuple(i[1][1] for i in sorted(items, key=lambda i: i[1][0][1]))
 
 
 def _is_equation(node) -> bool:

@@ -40,12 +40,13 @@ _WRAPPERS = re.compile(
 _SPACES = re.compile(r"\\[,;:> ]|\\q?quad(?![a-zA-Z])|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
 _THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000
 _THOUSANDS_THIN = re.compile(r"(?<=\d)(?:\\[,;: !]|~)(?=\d{3}(?!\d))")
-_THOUSANDS_SPACE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?![\d.])")
+_THOUSANDS_SPACE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d|\.\d)")
 _THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])")
 _FRAC_ALIASES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _BINOM_ALIASES = re.compile(r"\\[dt]binom(?![a-zA-Z])")
-_DEGREES = re.compile(
-    r"(?:\{\s*\})?\^\s*\{?\s*\\circ\s*\}?|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])|\^\s*\{?\\text\{\s*o\s*\}\}?"
+_DEGREES = re.compile(  # braces only in pairs: {90^\circ} keeps its group's closing brace
+    r"(?:\{\s*\})?\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])"
+    r"|\^\s*(?:\{\s*\\text\{\s*o\s*\}\s*\}|\\text\{\s*o\s*\})"
 )
 _PERCENT = re.compile(r"\\?%")
 _CURRENCY = re.compile(r"\\\$|\\euro|[\u20ac\u00a3]|\\pounds")
@@ -54,6 +55,9 @@ _TEXT_COMMAND = re.compile(
     r"operatorname|mathbb|mathcal|emph|hbox)\s*\{([^{}]*)\}"
 )
 _FONT_GROUP = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm)\s*(?=\{)")
+_SCIENTIFIC_X = re.compile(r"(?<=\d)\s*[xX]\s*(?=10\s*\^)")  # 3 x 10^8
+_REPEATING_PARENS = re.compile(r"(\d\.\d*)\((\d+)\)")  # 0.(3), 0.1(6)
+_REPEATING_DOTS = re.compile(r"(\d\.\d*?)(\d)\2{2,}\s*(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
 _MIXED_PLAIN = re.compile(r"(?<![\d.\\])(\d+) +(\d+)/(\d+)(?![\d.])")
 _CONNECTIVES = {"or": r" \TXT{or} ", "and": r" \TXT{and} "}
 KNOWN_FUNCTIONS = {
@@ -110,7 +114,7 @@ def _text_command(match: re.Match) -> str:
     single_letter = re.fullmatch(r"[A-Za-z]", content)
     if single_letter and command not in _MATH_FONTS and content not in "ABCDE":
         return r" \TXT{" + content + "} "  # \text{ m}: a unit
-    if re.fullmatch(r"[\d\s.,+\-*/^=<>()\[\]|\\{}]*|\(?[A-Za-z]\)?|\(?[A-Za-z]\)\s*\S.*|.*\d.*", content):
+    if re.fullmatch(r"[\d\s.,+\-*/^=<>()\[\]|\\{}]*|\(?[A-Za-z]\)?|\(?[A-Za-z]\)\s*\S.*|.*\d.*", content.replace(" ", "")):
         return " " + content + " "  # formatting around math: \mathbf{12}, \textbf{(C) }, \text{5 meters}
     return r" \TXT{" + content + "} "
 
@@ -163,10 +167,13 @@ def clean(answer: str) -> str:
     s = answer
     if len(s) > MAX_ANSWER_CHARS:
         raise AnswerError("too_long")
-    s = _unicode_to_latex(s)
     s = s.replace("\\\\", r" \cr " if r"\begin" in s else " ")  # matrix rows; elsewhere a stray line break
     s = _CURRENCY.sub(" ", s)
-    s = _WRAPPERS.sub(" ", s)
+    s = _WRAPPERS.sub(" ", s)  # before unicode: √\left(x+1\right) is √(x+1)
+    s = _unicode_to_latex(s).replace("**", "^")
+    s = _SCIENTIFIC_X.sub(r" \\times ", s)
+    s = _REPEATING_PARENS.sub(r"\1\\overline{\2}", s)
+    s = _REPEATING_DOTS.sub(r"\1\2\\overline{\2}", s)
     s = _FRAC_ALIASES.sub(r"\\frac", s)
     s = _BINOM_ALIASES.sub(r"\\binom", s)
     s = _THOUSANDS_BRACE.sub("", s)

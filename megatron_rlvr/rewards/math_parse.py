@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_text import AnswerError
+from megatron_rlvr.rewards.math_text import AnswerError, matching_brace
 from megatron_rlvr.rewards.math_tokens import parse_number, tokenize
 
 MAX_DEPTH = 40
@@ -34,6 +34,9 @@ _EMPTY_WORDS = {"no solution", "no solutions", "no real solution", "no real solu
                 "the empty set", "no real roots", "no roots", "no real values", "no such number"}
 _REAL_WORDS = {"all real numbers", "all reals", "all real x", "all real values", "real numbers",
                "all real values of x", "every real number"}
+_NUMBER_WORDS = {w: n for n, w in enumerate(
+    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+    "seventeen eighteen nineteen twenty".split())}
 _INVERSE = {"sin": "arcsin", "cos": "arccos", "tan": "arctan", "cot": "arccot"}
 _CONSTANTS = {"pi": ("const", "pi"), "infty": INFINITY, "infinity": INFINITY, "emptyset": ("empty",),
               "varnothing": ("empty",), "reals": REALS}
@@ -407,6 +410,8 @@ def text_node(words: str):
     folded = " ".join(re.sub(r"[.,;:!?\"']", " ", words).lower().split())
     if folded in ("infinity", "inf", "positive infinity"):
         return INFINITY
+    if folded in _NUMBER_WORDS:
+        return ("num", Fraction(_NUMBER_WORDS[folded]))
     if folded in _EMPTY_WORDS:
         return ("empty",)
     if folded in _REAL_WORDS:
@@ -457,6 +462,9 @@ def expand_pm(node) -> list:
 
 def parse_answer(cleaned: str):
     """The answer tree of a cleaned answer string."""
+    for _ in range(3):  # {(C) 12}: a group around the whole answer (deeper nesting is the parser's)
+        if cleaned.startswith("{") and matching_brace(cleaned, 0) == len(cleaned) - 1:
+            cleaned = cleaned[1:-1].strip()
     choice = _CHOICE.fullmatch(cleaned)
     if choice:
         letter = choice.group(1) or choice.group(3)

@@ -45,7 +45,7 @@ def matching_brace(text: str, open_at: int, limit: int = MAX_ANSWER_CHARS) -> in
 _BOX = re.compile(r"\\(?:boxed|fbox)\b")
 
 
-def _box_at(text: str, start: int) -> tuple[str, int]:
+def box_at(text: str, start: int) -> tuple[str, int]:
     """(content, end) of the box command starting at text[start] ('\\boxed{…}' or '\\boxed 5')."""
     i = start + len(_BOX.match(text, start).group(0))
     while i < len(text) and text[i] == " ":
@@ -59,7 +59,7 @@ def _box_at(text: str, start: int) -> tuple[str, int]:
     return (match.group(0) if match else ""), i + (match.end() if match else 0)
 
 
-def _box_starts(text: str) -> list[int]:
+def box_starts(text: str) -> list[int]:
     """Start indices of the last MAX_GROUP * 2 box commands, last first."""
     starts, end = [], len(text)
     while len(starts) < MAX_GROUP * 2:
@@ -74,8 +74,8 @@ def _box_starts(text: str) -> list[int]:
 
 def last_boxed(text: str) -> str | None:
     """Content of the last \\boxed{…} or \\fbox{…}, or None."""
-    starts = _box_starts(text)
-    return _box_at(text, starts[0])[0] if starts else None
+    starts = box_starts(text)
+    return box_at(text, starts[0])[0] if starts else None
 
 
 # text between two boxes that makes them one answer: "$ and $x = ", "\), \(", "\quad \text{or} \quad"
@@ -87,10 +87,10 @@ _CORRECTION = re.compile(r"\b(?:wait|actually|mistake|re-?check|correct|error|in
 
 def _final_boxes(text: str) -> list[str]:
     """The contents of the boxes that form the final answer (one, or several joined)."""
-    starts = _box_starts(text)
+    starts = box_starts(text)
     boxes = []
     for at in starts:
-        content, end = _box_at(text, at)
+        content, end = box_at(text, at)
         boxes.append((at, end, content))
     group = [boxes[0]]
     group_start = boxes[0][0]
@@ -118,6 +118,7 @@ _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any tex
 _MATH_SPAN = re.compile(r"\$\$(.{1,3000}?)\$\$|\$(.{1,3000}?)\$|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]", re.DOTALL)
 _SENTENCE_END = re.compile(r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b")
 _NUMBER = re.compile(r"(?:[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
+_NO_SOLUTION = re.compile(r"no (?:real )?solutions?", re.IGNORECASE)
 _JOINED_SPANS = re.compile(r"(?:\s|,|;|\band\b|\bor\b|\bboth\b)*", re.IGNORECASE)
 
 
@@ -159,7 +160,7 @@ def extract_answers(response: str) -> list[str]:
     """The final answer of a response, as one string or several that form it together.
     Raises AnswerError("no_answer") when there is none."""
     text = _strip_thinking(response)
-    if _box_starts(text):
+    if box_starts(text):
         return _final_boxes(text)
     answer_at = None
     for answer_at in _ANSWER_IS.finditer(text):
@@ -186,6 +187,9 @@ def _last_math_or_number(text: str) -> str:
     if span is not None and (number is None or span.end() >= number.end()):
         return _span_content(span)
     if number is None:
+        nothing = _NO_SOLUTION.search(text[-300:])
+        if nothing:  # "There are no real solutions."
+            return r"\text{" + nothing.group(0) + "}"
         raise AnswerError("no_answer")
     return number.group(0)
 
