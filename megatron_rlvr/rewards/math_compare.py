@@ -193,10 +193,10 @@ class Comparison:
         coll, other = (a, b) if a[0] in _COLLECTIONS else (b, a)
         if other[0] == "empty":
             return self.note(not coll[1], "numeric") if not coll[1] else self.shape()
+        if (coll[0] == "list" and _is_real_set(coll) or coll[0] == "set") and _is_real_set(other):
+            return self.real_set_equal(a, b)
         if len(coll[1]) == 1:
             return self.equal(coll[1][0], other) if coll is a else self.equal(other, coll[1][0])
-        if coll[0] == "list" and _is_real_set(coll) and _is_real_set(other):
-            return self.real_set_equal(a, b)
         if other[0] == "tuple" and _named_values(coll, len(other[1])):  # x = 1, y = 2 against (1, 2)
             values = ("tuple", _named_values(coll, len(other[1])))
             return self.equal(values, other) if coll is a else self.equal(other, values)
@@ -419,6 +419,16 @@ def intervals(node) -> list | None:
         pieces = [(node[1][0], node[1][1], True, True)]
     elif kind == "empty":
         pieces = []
+    elif kind == "list" and all(item[0] == "rel" and item[2] == ("!=",) for item in node[1]):
+        pieces = [(("neg", INFINITY), INFINITY, True, True)]  # x != ±2: every one of them holds
+        try:
+            for item in node[1]:
+                point = item[1][1] if item[1][0][0] == "sym" else item[1][0]
+                if not _constant(point):
+                    return None
+                pieces = _puncture(pieces, point)
+        except _NoOrder:
+            return None
     elif kind == "union" or kind == "list":
         pieces = []
         for part in node[1]:

@@ -191,6 +191,8 @@ class Approximator:
             raise Undecided from None
         if not (cmath.isfinite(v)):
             raise Undecided
+        if v.imag == 0:
+            v = complex(v.real, 0.0)  # -0.0 would put sqrt(-4) on the wrong side of the branch cut
         self.scale = max(self.scale, abs(v))
         return v
 

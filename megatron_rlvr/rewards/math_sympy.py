@@ -155,7 +155,11 @@ def to_set(node):
         return sympy.Interval.open(to_sympy(node[1][0], True), to_sympy(node[1][1], True))
     if kind in ("union", "list"):
         parts = [to_set(part) for part in node[1]]
-        return None if any(p is None for p in parts) else sympy.Union(*parts)
+        if any(p is None for p in parts):
+            return None
+        if kind == "list" and all(item[0] == "rel" and item[2] == ("!=",) for item in node[1]):
+            return sympy.Intersection(*parts)  # x != ±2
+        return sympy.Union(*parts)
     if kind == "set":
         return sympy.FiniteSet(*(to_sympy(item, True) for item in node[1]))
     if kind == "rel":
