@@ -36,8 +36,10 @@ from megatron_rlvr.rewards.math_eval import (
     values_differ,
 )
 from megatron_rlvr.rewards.math_parse import INFINITY
+from megatron_rlvr.rewards.math_text import AnswerError
 
 Tri = bool | None
+MAX_PAIRINGS = 2_500  # element comparisons one set comparison may make
 _INEQUALITIES = {"<", ">", "<=", ">="}
 _COLLECTIONS = {"list", "set"}
 _FLIP = {"<": ">", ">": "<", "<=": ">=", ">=": "<="}
@@ -211,6 +213,11 @@ class Comparison:
         """Every x is some y and every y is some x (repeats do not count)."""
         if not xs or not ys:
             return self.note(not xs and not ys, "numeric") if not xs and not ys else self.shape()
+        values = [rational(item) if item[0] not in _COLLECTIONS else None for item in (*xs, *ys)]
+        if None not in values:  # numbers only: compare the sets of values, in linear time
+            return self.note(set(values[: len(xs)]) == set(values[len(xs) :]), "numeric")
+        if len(xs) * len(ys) > MAX_PAIRINGS:
+            raise AnswerError("too_large")
         covered = all_of(any_of(self.equal(x, y) for y in ys) for x in xs)
         if covered is False:
             return False
@@ -242,6 +249,8 @@ class Comparison:
 
     # ------------------------------------------------------------------ sets of reals
     def real_set_equal(self, a, b) -> Tri:
+        if not all(_is_real_set(x) or x[0] in ("tuple", "set") for x in (a, b)):
+            return self.shape()  # a set of reals is never a number or an expression
         ia, ib = intervals(a), intervals(b)
         if ia is None or ib is None:
             return self.backend.real_set_equal(a, b, self.note)
