@@ -213,7 +213,7 @@ class Comparison:
         """Every x is some y and every y is some x (repeats do not count)."""
         if not xs or not ys:
             return self.note(not xs and not ys, "numeric") if not xs and not ys else self.shape()
-        values = [rational(item) if item[0] not in _COLLECTIONS else None for item in (*xs, *ys)]
+        values = [None if item[0] in ("list", "set", "pct", "deg") else rational(item) for item in (*xs, *ys)]
         if None not in values:  # numbers only: compare the sets of values, in linear time
             return self.note(set(values[: len(xs)]) == set(values[len(xs) :]), "numeric")
         if len(xs) * len(ys) > MAX_PAIRINGS:

@@ -88,26 +88,27 @@ _CORRECTION = re.compile(r"\b(?:wait|actually|mistake|re-?check|correct|error|in
 def _final_boxes(text: str) -> list[str]:
     """The contents of the boxes that form the final answer (one, or several joined)."""
     starts = box_starts(text)
-    boxes = []
-    for at in starts:
-        content, end = box_at(text, at)
-        boxes.append((at, end, content))
-    group = [boxes[0]]
-    group_start = boxes[0][0]
-    for earlier in boxes[1:]:
-        if earlier[1] > group_start:  # \boxed{\boxed{5}}: the same answer
-            group_start = earlier[0]
+    last_content, _ = box_at(text, starts[0])
+    group = [last_content]
+    group_start = starts[0]
+    for at in starts[1:]:
+        try:
+            content, end = box_at(text, at)
+        except AnswerError:  # a broken earlier box does not spoil the last one
+            break
+        if end > group_start:  # \boxed{\boxed{5}}: the same answer
+            group_start = at
             continue
-        gap = text[earlier[1] : group_start]
-        if len(gap) > MAX_GAP:
+        gap = text[end:group_start]
+        if len(gap) > MAX_GAP or len(group) >= MAX_GROUP:
             break
         joined = _JOINING_GAP.fullmatch(_GAP_NOISE.sub(" ", gap))
         hedged = _HEDGE.search(gap) and not _CORRECTION.search(gap)
-        if not (joined or hedged) or len(group) >= MAX_GROUP:
+        if not (joined or hedged):
             break
-        group.append(earlier)
-        group_start = earlier[0]
-    return [content for _, _, content in reversed(group)]
+        group.append(content)
+        group_start = at
+    return group[::-1]
 
 
 _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any text
