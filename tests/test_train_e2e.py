@@ -179,8 +179,8 @@ def test_the_only_engine_killed_mid_run_comes_back_with_the_current_weights(tmp_
 
 
 def test_a_run_whose_data_has_nothing_to_teach_ends_after_its_generation_bound(tmp_path):
-    data = tmp_path / "unanswerable.jsonl"  # the character tokenizer cannot even spell the answers
-    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "seven"}) + "\n" for i in range(6)))
+    data = tmp_path / "unanswerable.jsonl"  # the character tokenizer cannot even spell the answer
+    data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "xyz"}) + "\n" for i in range(6)))
     done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
                            f"trainer.output_dir={tmp_path / 'run'}", "launch.mode=local", "buffer.batch_groups=2",
                            "buffer.max_generated_groups_per_step=10", "rollout.n_samples_per_prompt=4",
