@@ -228,13 +228,25 @@ class CpuEngine(Section):
 
 
 class SglangEngine(Section):
-    """Real SGLang servers (GPU)."""
+    """Real SGLang 0.5.23 servers: on GPUs (device cuda), or on CPU (device cpu: tests and small
+    runs, from the interpreter scripts/setup_sglang_cpu.sh builds)."""
 
     type: Literal["sglang"] = "sglang"
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cpu: the launcher adds SGLang's CPU flags and environment itself"
+    )
+    python: str | None = Field(
+        None, description="interpreter that has SGLang (e.g. .venv-sglang/bin/python); None: the "
+        "project's own. Checked when the config loads",
+    )
     tp: PositiveInt = Field(1, description="tensor-parallel size of each server")
     ep: PositiveInt = Field(1, description="expert-parallel size of each server")
     mem_fraction_static: float = Field(0.7, gt=0.0, lt=1.0)
     dtype: Literal["bfloat16", "float16", "float32"] = "bfloat16"
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="launch.mode = local only: the GPU ids the engines use, tp of them per "
+        "engine in order; None: the GPUs after the learner's GPU 0",
+    )
     extra_args: list[str] = Field(default_factory=list, description="passed to launch_server")
 
 
@@ -253,6 +265,10 @@ class RolloutConfig(Section):
         None, description="capture the engine's routing; None: on exactly for r3"
     )
     request_timeout_s: float = Field(120.0, gt=0.0)
+    start_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long one engine server may take to answer /health (large "
+        "checkpoints load slowly); progress goes to the log every 30 s",
+    )
     seeded_sampling: bool | None = Field(
         None, description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
         "None: on for the CPU engine (which derives one per sample), off for SGLang",
@@ -293,12 +309,31 @@ class BufferConfig(Section):
 # ----------------------------------------------------------------------------- weight sync
 class WeightSyncConfig(Section):
     bucket_mb: float = Field(512.0, gt=0.0, description="max bytes of one flat bucket, MiB")
-    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="auto: per device")
-    pause_mode: Literal["abort", "retract", "in_place"] = "retract"
-    checksum: bool = Field(True, description="engines verify a per-bucket checksum")
-    parity_tolerance: float | None = Field(
-        1e-3, description="max |logprob diff| of the post-sync probe; None: probe off"
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl when the learner and the engines are all on cuda, else gloo"
     )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="what engines do with requests in flight during a sync; after "
+        "abort or retract the engines' prefix cache is flushed before they resume",
+    )
+    checksum: bool | None = Field(
+        None, description="engines verify a per-bucket sha256 (a CPU-engine extension SGLang has "
+        "not got); None: on for the CPU engine, off for SGLang",
+    )
+    parity_tolerance: float | Literal["auto"] | None = Field(
+        "auto", description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
+        "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
+    )
+    refusal_wait_s: float = Field(
+        1.0, ge=0.0, le=60.0, description="how long the first bucket of a sync waits for an "
+        "engine's refusal before its broadcast is posted (an unmatched NCCL broadcast hangs)",
+    )
+
+
+# Default post-sync parity tolerance by the lowest precision of engine and learner. fp32 on
+# both sides agrees to ~1e-5; bf16 differs by ~0.02 per token and ~0.3 where a MoE routing
+# flips (measured on CPU, configs/compare-replay-cpu.yaml); a broken sync is off by nats.
+PARITY_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.5}
 
 
 # ----------------------------------------------------------------------------- verifier
@@ -418,13 +453,7 @@ def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False
             f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: ep · etp must divide tp · dp "
             f"= {expert_dp_world} (the ranks of one pipeline stage)"
         )
-    if p.device == "cpu" and cfg.weight_sync.backend == "nccl":
-        problems.append("weight_sync.backend = nccl: NCCL needs parallel.device = cuda")
-    if p.device == "cpu" and isinstance(r.engine, SglangEngine):
-        problems.append(
-            "rollout.engine.type = sglang: SGLang servers need parallel.device = cuda "
-            "(use type: cpu on CPU)"
-        )
+    problems += _engine_problems(cfg)
     if a.routing_replay == "r3" and r.return_routed_experts is False:
         problems.append(
             "rollout.return_routed_experts = false: algo.routing_replay = r3 replays the "
@@ -460,6 +489,75 @@ def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False
     return problems
 
 
+def _engine_problems(cfg: Config) -> list[str]:
+    """Engine placement and what an SGLang engine cannot honour."""
+    p, r, sync = cfg.parallel, cfg.rollout, cfg.weight_sync
+    engine = r.engine
+    problems = []
+    if sync.backend == "nccl" and p.device == "cpu":
+        problems.append("weight_sync.backend = nccl: NCCL needs parallel.device = cuda")
+    elif sync.backend == "nccl" and (isinstance(engine, CpuEngine) or engine.device == "cpu"):
+        problems.append("weight_sync.backend = nccl: the engines run on CPU and receive over gloo "
+                        "(set gloo or auto)")
+    if not isinstance(engine, SglangEngine):
+        return problems
+    if engine.tp % engine.ep:
+        problems.append(f"rollout.engine.ep = {engine.ep}: must divide rollout.engine.tp ({engine.tp}); "
+                        "SGLang places its expert-parallel ranks on its tensor-parallel ranks")
+    if engine.device == "cuda" and p.device == "cpu":
+        problems.append("rollout.engine.device = cuda: a CPU learner (parallel.device = cpu) runs "
+                        "SGLang on CPU (device: cpu) or the learner on cuda")
+    if sync.checksum:
+        problems.append("weight_sync.checksum = true: SGLang has no per-bucket checksum (the CPU "
+                        "engine's extension); leave it null: the post-sync parity probe checks the weights")
+    if sync.pause_mode == "in_place" and "--disable-radix-cache" not in engine.extra_args:
+        problems.append("weight_sync.pause_mode = in_place: SGLang cannot flush its prefix cache while "
+                        "paused requests hold it, so new requests would reuse KV of the old weights; use "
+                        "retract or abort, or add --disable-radix-cache to rollout.engine.extra_args")
+    if engine.gpus is not None:
+        if cfg.launch.mode != "local":
+            problems.append("rollout.engine.gpus: only for launch.mode = local (Ray assigns GPUs to "
+                            "engine actors)")
+        elif engine.device != "cuda" or len(engine.gpus) != r.num_engines * engine.tp:
+            problems.append(f"rollout.engine.gpus = {engine.gpus}: needs rollout.num_engines × "
+                            f"rollout.engine.tp = {r.num_engines * engine.tp} GPU ids on device cuda")
+    if engine.python is not None:
+        problems += _engine_python_problems(engine.python, sync.backend)
+    return problems
+
+
+def sglang_install(python: str) -> dict:
+    """The SGLang and torch versions `python` has, read from package metadata without importing
+    either (a fraction of a second). Raises OSError (missing) or RuntimeError (unreadable)."""
+    import subprocess
+
+    probe = ("import importlib.metadata as m, importlib.util as u, json\n"
+             "v = lambda n: m.version(n) if u.find_spec(n) else None\n"
+             "print(json.dumps({'sglang': v('sglang'), 'torch': v('torch')}))")
+    done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
+    if done.returncode:
+        raise RuntimeError((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
+    return json.loads(done.stdout)
+
+
+def _engine_python_problems(python: str, backend: str) -> list[str]:
+    import importlib.metadata
+
+    where = f"rollout.engine.python = {python!r}"
+    try:
+        found = sglang_install(python)
+    except (OSError, RuntimeError, ValueError) as err:
+        return [f"{where}: cannot run it ({err})"]
+    if found["sglang"] is None:
+        return [f"{where}: has no SGLang (build one with bash scripts/setup_sglang_cpu.sh, or "
+                "bash scripts/setup.sh --gpu)"]
+    ours = importlib.metadata.version("torch")
+    if backend == "nccl" and found["torch"] != ours:
+        return [f"{where}: torch {found['torch']} there, {ours} here: one NCCL weight-update group "
+                "needs the same torch build on both sides (install the learner's torch there)"]
+    return []
+
+
 def resolve(cfg: Config) -> Config:
     """Fills every derived value (clip ranges per loss kind, etp, sequence parallel, routed
     expert capture), then runs the cross-section checks. Returns a new config."""
@@ -486,8 +584,15 @@ def resolve(cfg: Config) -> Config:
         cfg.rollout.seeded_sampling = isinstance(cfg.rollout.engine, CpuEngine)
     if cfg.buffer.max_generated_groups_per_step is None:
         cfg.buffer.max_generated_groups_per_step = 64 * cfg.buffer.batch_groups
-    if cfg.weight_sync.backend == "auto":
-        cfg.weight_sync.backend = "nccl" if cfg.parallel.device == "cuda" else "gloo"
+    engine, sync = cfg.rollout.engine, cfg.weight_sync
+    on_gpus = isinstance(engine, SglangEngine) and engine.device == "cuda" and cfg.parallel.device == "cuda"
+    if sync.backend == "auto":
+        sync.backend = "nccl" if on_gpus else "gloo"
+    if sync.checksum is None:
+        sync.checksum = isinstance(engine, CpuEngine)
+    if sync.parity_tolerance == "auto":
+        dtypes = {engine.dtype, cfg.trainer.dtype}
+        sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)
     _raise(_cross_field_problems(cfg, model_dims(cfg.model), dp_derived))
     return cfg
 

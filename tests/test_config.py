@@ -75,7 +75,7 @@ def _problems(overrides, path=TINY):
         (["model.num_layrs=3"], "model.num_layrs: unknown field (did you mean num_layers?)"),
         (["rollout.engine.tpp=2"], "rollout.engine.tpp: unknown field"),
         (["rollout.n_samples_per_prompt=1"], "rollout.n_samples_per_prompt = 1"),
-        (["rollout.engine.type=sglang"], "rollout.engine.type = sglang: SGLang servers need parallel.device = cuda"),
+        (["rollout.engine.type=sglang"], "rollout.engine.device = cuda: a CPU learner (parallel.device = cpu)"),
         (["weight_sync.backend=nccl"], "weight_sync.backend = nccl"),
         (["model.num_experts_per_tok=8"], "model.num_experts_per_tok = 8"),
         (["algo.num_minibatches=3"], "algo.num_minibatches = 3"),

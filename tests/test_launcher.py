@@ -1,12 +1,24 @@
-"""Engine server commands, and the errors for what cannot start."""
+"""Engine server commands and environments, the engine config checks, and the errors for what
+cannot start. Fast: no real engine starts here (tests/test_sglang_cpu.py starts real ones)."""
 
+import os
+import signal
+import subprocess
 import sys
+import textwrap
+import time
 
+import psutil
 import pytest
 
-from megatron_rlvr.config import CpuEngine, SglangEngine
+from megatron_rlvr.config import ConfigError, CpuEngine, SglangEngine, load_config
+from megatron_rlvr.launch.engines import engine_gpus
 from megatron_rlvr.rollout import launcher
-from megatron_rlvr.rollout.launcher import EngineStartError, ServerProcess, engine_process
+from megatron_rlvr.rollout.launcher import (EngineStartError, ServerProcess, cpu_binding, engine_process,
+                                            failure_reason)
+
+TINY = "configs/tiny-moe-cpu.yaml"
+SGLANG_CPU = "configs/tiny-moe-sglang-cpu.yaml"
 
 
 def test_cpu_engine_command(tmp_path):
@@ -21,23 +33,165 @@ def test_cpu_engine_command(tmp_path):
 def test_sglang_command_carries_the_layout(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: object())
     engine = SglangEngine(tp=4, ep=4, mem_fraction_static=0.6, extra_args=["--chunked-prefill-size", "4096"])
-    cmd = engine_process("/m", engine, host="127.0.0.1", port=30000, routed_experts=True, log_dir=tmp_path).command
+    proc = engine_process("/m", engine, host="127.0.0.1", port=30000, routed_experts=True, log_dir=tmp_path,
+                          gpus=[4, 5, 6, 7])
+    cmd = proc.command
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    for flag, value in (("--tp-size", "4"), ("--ep-size", "4"), ("--mem-fraction-static", "0.6"), ("--dtype", "bfloat16")):
+    for flag, value in (("--tp-size", "4"), ("--ep-size", "4"), ("--mem-fraction-static", "0.6"),
+                        ("--dtype", "bfloat16"), ("--weight-version", "0")):
         assert cmd[cmd.index(flag) + 1] == value
-    assert "--enable-return-routed-experts" in cmd and cmd[-2:] == ["--chunked-prefill-size", "4096"]
+    assert "--enable-return-routed-experts" in cmd and "--skip-tokenizer-init" in cmd
+    assert cmd[-2:] == ["--chunked-prefill-size", "4096"]  # last, so they override ours
+    assert "--device" not in cmd and proc.env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     no_r3 = engine_process("/m", engine, host="127.0.0.1", port=30000, routed_experts=False, log_dir=tmp_path)
-    assert "--enable-return-routed-experts" not in no_r3.command
+    assert "--enable-return-routed-experts" not in no_r3.command and no_r3.env == {}
+
+
+def test_sglang_on_cpu_gets_the_cpu_flags_environment_and_its_own_interpreter(monkeypatch, tmp_path):
+    monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    engine = SglangEngine(device="cpu", python="/opt/sglang/bin/python", tp=2, dtype="float32",
+                          extra_args=["--max-total-tokens", "4096"])
+    proc = engine_process("/m", engine, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path)
+    cmd = proc.command
+    assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
+    for flag, value in (("--device", "cpu"), ("--attention-backend", "torch_native"),
+                        ("--sampling-backend", "pytorch"), ("--tp-size", "2")):
+        assert cmd[cmd.index(flag) + 1] == value
+    assert "--sleep-on-idle" in cmd and "--disable-cuda-graph" in cmd
+    assert cmd[-2:] == ["--max-total-tokens", "4096"]  # the user's value wins over the launcher's 65536
+    assert proc.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0-1|2-3"}
+    monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|3")  # a user's binding is kept
+    assert "SGLANG_CPU_OMP_THREADS_BIND" not in engine_process(
+        "/m", engine, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path).env
+
+
+@pytest.mark.parametrize("cores, ranks, expected", [
+    ([0, 1], 1, "0-1"), ([0, 1], 2, "0|1"), (list(range(16)), 2, "0-7|8-15"), ([3], 2, "3|3"),
+    ([0, 1, 2], 2, "0|1"),
+])
+def test_cpu_binding_gives_each_rank_its_cores(cores, ranks, expected):
+    assert cpu_binding(cores, ranks) == expected
 
 
 def test_missing_sglang_is_one_clear_error(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(EngineStartError, match=r"needs SGLang: pip install .*\[gpu\]"):
+    with pytest.raises(EngineStartError, match=r"needs SGLang: bash scripts/setup.sh --gpu .*rollout.engine.python"):
         engine_process("/m", SglangEngine(), host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path)
 
 
-def test_a_server_that_dies_at_start_reports_its_log(tmp_path):
-    proc = ServerProcess([sys.executable, "-c", "import sys; print('boom: no model'); sys.exit(3)"],
-                         "127.0.0.1", 1, tmp_path / "x.log")
-    with pytest.raises(EngineStartError, match=r"exited with 3(.|\n)*boom: no model"):
+def test_local_engines_get_the_gpus_after_the_learners():
+    assert [engine_gpus(None, i, 2) for i in range(3)] == [[1, 2], [3, 4], [5, 6]]
+    assert [engine_gpus([0, 0, 1, 1], i, 2) for i in range(2)] == [[0, 0], [1, 1]]
+    assert engine_gpus([0], 0, 1) == [0]  # one GPU shared with the learner, asked for explicitly
+
+
+# --------------------------------------------------------------------------- config checks
+def _problems(overrides, path=TINY):
+    with pytest.raises(ConfigError) as err:
+        load_config(path, overrides)
+    return err.value.problems
+
+
+SGLANG = ["rollout.engine.type=sglang", "rollout.engine.device=cpu"]
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (SGLANG + ["weight_sync.checksum=true"], "weight_sync.checksum = true: SGLang has no per-bucket checksum"),
+    (SGLANG + ["weight_sync.pause_mode=in_place"], "weight_sync.pause_mode = in_place: SGLang cannot flush"),
+    (SGLANG + ["weight_sync.backend=nccl"], "weight_sync.backend = nccl: NCCL needs parallel.device = cuda"),
+    (SGLANG + ["rollout.engine.tp=2", "rollout.engine.ep=4"], "rollout.engine.ep = 4: must divide"),
+    (SGLANG + ["rollout.engine.gpus=[0]"], "rollout.engine.gpus: only for launch.mode = local"),
+    (["rollout.engine.type=sglang", "parallel.device=cuda", "launch.mode=local", "rollout.num_engines=2",
+      "rollout.engine.gpus=[1]"], "rollout.engine.gpus = [1]: needs rollout.num_engines × rollout.engine.tp = 2"),
+    (["parallel.device=cuda", "weight_sync.backend=nccl"], "weight_sync.backend = nccl: the engines run on CPU"),
+    (SGLANG + [f"rollout.engine.python={sys.executable}"], "has no SGLang (build one with bash scripts/setup_sglang_cpu.sh"),
+    (SGLANG + ["rollout.engine.python=/nonexistent/python"], "rollout.engine.python = '/nonexistent/python': cannot run it"),
+])
+def test_what_an_engine_cannot_honour_is_one_line_naming_the_field(overrides, expected):
+    problems = _problems(overrides)
+    assert any(expected in line for line in problems), problems
+    assert all("\n" not in line for line in problems)
+
+
+def test_the_python_check_is_fast():
+    started = time.monotonic()
+    _problems(SGLANG + [f"rollout.engine.python={sys.executable}"])
+    assert time.monotonic() - started < 20  # a metadata look-up, not an import of SGLang (generous bound)
+
+
+def test_resolve_fills_what_depends_on_the_engine():
+    cpu = load_config(TINY)
+    assert (cpu.weight_sync.checksum, cpu.weight_sync.backend, cpu.weight_sync.parity_tolerance) == (True, "gloo", 1e-3)
+    bf16 = load_config(TINY, ["rollout.engine.dtype=bfloat16"])
+    assert bf16.weight_sync.parity_tolerance == 0.5  # bf16 vs fp32: ~0.02 per token, ~0.3 where routing flips
+    gpu = load_config(TINY, ["rollout.engine.type=sglang", "rollout.engine.dtype=bfloat16", "parallel.device=cuda"])
+    assert (gpu.weight_sync.checksum, gpu.weight_sync.backend, gpu.weight_sync.parity_tolerance) == (False, "nccl", 0.5)
+    off = load_config(TINY, ["weight_sync.parity_tolerance=null"])
+    assert off.weight_sync.parity_tolerance is None
+    in_place = load_config(TINY, SGLANG + ["weight_sync.pause_mode=in_place",
+                                           "rollout.engine.extra_args=[--disable-radix-cache]"])
+    assert in_place.weight_sync.pause_mode == "in_place"
+
+
+# --------------------------------------------------------------------------- failures at start
+def test_a_server_that_dies_at_start_is_one_line_naming_engine_reason_and_log(tmp_path):
+    script = "import sys; print('loading'); print('launch_server.py: error: unrecognized arguments: --bogus'); sys.exit(2)"
+    proc = ServerProcess([sys.executable, "-c", script], "127.0.0.1", 1, tmp_path / "x.log", name="engine 3 (sglang)")
+    with pytest.raises(EngineStartError) as err:
         proc.start(ready_timeout_s=30)
+    message = str(err.value)
+    assert "\n" not in message
+    assert message.startswith("engine 3 (sglang) (http://127.0.0.1:1) exited with 2 before it was ready")
+    assert "unrecognized arguments: --bogus" in message and str(tmp_path / "x.log") in message
+
+
+def test_failure_reason_picks_the_error_line(tmp_path):
+    log = tmp_path / "l.log"
+    log.write_text("INFO start\nTraceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
+                   "[2026] Received sigquit from a child process.\n")
+    assert failure_reason(log) == "OSError: [Errno 98] Address already in use"
+
+
+GROUP_SCRIPT = textwrap.dedent("""
+    import subprocess, sys, time
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    time.sleep(600)
+""")
+
+
+def test_a_server_that_hangs_is_stopped_with_its_children_after_the_timeout(tmp_path):
+    proc = ServerProcess([sys.executable, "-c", GROUP_SCRIPT], "127.0.0.1", 9, tmp_path / "h.log", name="engine 0")
+    with pytest.raises(EngineStartError, match=r"engine 0 .* not healthy after 2 s \(rollout.start_timeout_s\)"):
+        proc.start(ready_timeout_s=2)
+    child = int((tmp_path / "h.log").read_text().split()[0])
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
+    assert proc.watchdog.poll() is not None
+
+
+OWNER = textwrap.dedent("""
+    import sys, threading, time
+    from pathlib import Path
+    from megatron_rlvr.rollout.launcher import ServerProcess
+    server = ServerProcess([sys.executable, "-c", sys.argv[1]], "127.0.0.1", 9, Path(sys.argv[2]))
+    threading.Thread(target=server.start, kwargs={"ready_timeout_s": 600}, daemon=True).start()
+    time.sleep(600)
+""")
+
+
+def test_a_dead_owner_never_leaves_its_server_running(tmp_path):
+    """The owner dies (SIGKILL: no teardown runs) while its server is starting: the watchdog
+    takes the server's whole process group down."""
+    owner = subprocess.Popen([sys.executable, "-c", OWNER, GROUP_SCRIPT, str(tmp_path / "o.log")])
+    deadline = time.monotonic() + 60
+    log = tmp_path / "o.log"  # the server prints its child's pid once both run
+    while time.monotonic() < deadline and not (log.exists() and log.read_text().strip()):
+        time.sleep(0.1)
+    tree = psutil.Process(owner.pid).children(recursive=True)
+    servers = [p for p in tree if "watchdog" not in " ".join(p.cmdline())]
+    assert len(servers) == 2 and any("watchdog" in " ".join(p.cmdline()) for p in tree)
+    os.kill(owner.pid, signal.SIGKILL)
+    owner.wait()
+    gone, alive = psutil.wait_procs(tree, timeout=30)  # the watchdog exits once the group is gone
+    assert not alive, [" ".join(p.cmdline())[:80] for p in alive]

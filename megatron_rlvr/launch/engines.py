@@ -13,8 +13,8 @@ from megatron_rlvr.stopping import StopSignals
 
 
 class EngineHost:
-    def __init__(self, cfg: Config, model_dir: str, log_dir: str):
-        self.cfg, self.model_dir, self.log_dir = cfg, model_dir, log_dir
+    def __init__(self, cfg: Config, model_dir: str, log_dir: str, index: int = 0):
+        self.cfg, self.model_dir, self.log_dir, self.index = cfg, model_dir, log_dir, index
         self.server = None
         self.closed = False  # stop() came (perhaps while start() was on its way)
 
@@ -27,12 +27,32 @@ class EngineHost:
         bind = rollout.host
         self.server = engine_process(self.model_dir, rollout.engine, host=bind,
                                      port=free_port("" if bind == "0.0.0.0" else bind),
-                                     routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir)
+                                     routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir,
+                                     name=f"engine {self.index} ({rollout.engine.type})", gpus=self._gpus())
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
-        self.server.start()
+        self.server.start(rollout.start_timeout_s)
         host = node_ip() if bind == "0.0.0.0" else bind
         return f"http://{host}:{self.server.port}"
+
+    def _gpus(self) -> list[int] | None:
+        """launch.mode = local: this engine's GPUs (rollout.engine.gpus, or those after the
+        learner's GPU 0), so SGLang never claims memory on the learner's GPU by default. Under
+        Ray the actor's CUDA_VISIBLE_DEVICES already holds its GPUs."""
+        engine = self.cfg.rollout.engine
+        if self.cfg.launch.mode != "local" or engine.type != "sglang" or engine.device != "cuda":
+            return None
+        ids = engine_gpus(engine.gpus, self.index, engine.tp)
+        import torch
+
+        from megatron_rlvr.rollout.launcher import EngineStartError
+
+        if max(ids) >= torch.cuda.device_count():
+            raise EngineStartError(
+                f"engine {self.index}: launch.mode = local puts it on GPUs {ids} (the learner has GPU 0) but "
+                f"this machine has {torch.cuda.device_count()}; set rollout.engine.gpus (e.g. [0] to share "
+                "the learner's GPU, with a small rollout.engine.mem_fraction_static)")
+        return ids
 
     def restart(self) -> str | None:
         """Same port, fresh process, if the server died or hangs: it comes back with the
@@ -53,15 +73,23 @@ class EngineHost:
             except httpx.HTTPError:
                 pass
             how = "hung (no answer to /health within 30 s) and was stopped"
-            self.server.stop()
+        self.server.stop()  # what is left of the old one too (SGLang's scheduler processes)
         report = f"{how}; the end of its log ({self.server.log_path}):\n{self.server.log_tail(lines=8)}"
-        self.server.start()
+        self.server.start(self.cfg.rollout.start_timeout_s)
         return report
 
     def stop(self, graceful: bool = True) -> None:
         self.closed = True
         if self.server is not None:
             self.server.close(grace_s=10.0 if graceful else 0.0)
+
+
+def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
+    """Engine `index`'s GPU ids in a local run: its tp slice of `gpus`, or by default of the
+    GPUs after the learner's GPU 0 (engine 0 gets 1..tp, engine 1 the next tp, ...)."""
+    if gpus is None:
+        return list(range(1 + index * tp, 1 + (index + 1) * tp))
+    return gpus[index * tp:(index + 1) * tp]
 
 
 class EngineFleet:
@@ -74,12 +102,13 @@ class EngineFleet:
             import ray
 
             engine = cfg.rollout.engine
-            options = {"num_gpus": engine.tp} if engine.type == "sglang" else {"num_cpus": 0.01}
+            on_gpus = engine.type == "sglang" and engine.device == "cuda"
+            options = {"num_gpus": engine.tp} if on_gpus else {"num_cpus": 0.01}
             # two threads: stop() must be able to interrupt a start() that is waiting for health
             actor = ray.remote(EngineHost).options(max_concurrency=2, **options)
-            self.hosts = [actor.remote(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
+            self.hosts = [actor.remote(cfg, str(model_dir), log_dir, i) for i in range(cfg.rollout.num_engines)]
         else:
-            self.hosts = [EngineHost(cfg, str(model_dir), log_dir) for _ in range(cfg.rollout.num_engines)]
+            self.hosts = [EngineHost(cfg, str(model_dir), log_dir, i) for i in range(cfg.rollout.num_engines)]
         self.urls: list[str] = []
 
     def _call(self, index: int, method: str, *args):

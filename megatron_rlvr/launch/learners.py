@@ -51,7 +51,7 @@ class LearnerRank:
             return None
         self.clients = [EngineClient(url, timeout_s=self.cfg.rollout.request_timeout_s) for url in engine_urls]
         self.syncer = WeightSyncer(self.clients, self.cfg.weight_sync, master_address=master[0],
-                                   checksums=self.cfg.weight_sync.checksum and self.cfg.rollout.engine.type == "cpu")
+                                   engine_ranks=engine_ranks(self.cfg, len(self.clients)))
         self.loop.run_until_complete(self.syncer.connect())
         return self.syncer.version
 
@@ -86,6 +86,15 @@ class LearnerRank:
         if self.joined:
             destroy_parallel()
         self.loop.close()
+
+
+def engine_ranks(cfg: Config, num_engines: int) -> list[int]:
+    """Ranks each engine brings to the weight-update group: SGLang's TP ranks, or one."""
+    from megatron_rlvr.weight_sync.transport import engine_rank_count
+
+    engine = cfg.rollout.engine
+    per_engine = engine_rank_count(engine.tp, engine.ep) if engine.type == "sglang" else 1
+    return [per_engine] * num_engines
 
 
 class LearnerGroup:

@@ -1,10 +1,14 @@
-"""Starting and stopping engine server processes: the CPU engine, or SGLang on GPU machines.
-Both are HTTP servers on a port; both are waited for through /health and stopped by pid."""
+"""Starting and stopping engine server processes: the CPU engine, or SGLang (on GPUs, or on CPU
+from its own interpreter). Both are HTTP servers on a port, waited for through /health and
+stopped by process group. A watchdog process stops a server whose owner died without
+stopping it, so a crashed run never leaves a server holding GPUs or cores."""
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,10 +20,24 @@ from pathlib import Path
 import httpx
 
 from megatron_rlvr.config import CpuEngine, SglangEngine
+from megatron_rlvr.errors import UserError
+
+log = logging.getLogger(__name__)
+
+# SGLang on CPU (0.5.23), each setting for a reason:
+#   SGLANG_USE_CPU_ENGINE=1   selects its CPU platform; --device cpu alone is not enough.
+#   torch_native attention, pytorch sampling: the plain-torch paths (no Triton/FlashInfer).
+#   --disable-cuda-graph      no graph capture.
+#   --sleep-on-idle           otherwise the idle scheduler busy-polls a whole core.
+#   --max-total-tokens 65536  otherwise the KV pool is sized from free RAM (15 GB on a 24 GiB box
+#                             for the tiny model, 17 s of start-up); extra_args can raise it.
+SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
+                    "--disable-cuda-graph", "--sleep-on-idle", "--max-total-tokens", "65536"]
+PROGRESS_EVERY_S = 30.0
 
 
-class EngineStartError(RuntimeError):
-    pass
+class EngineStartError(UserError):
+    """An engine server that could not start: one line naming the engine, why, and its log."""
 
 
 @dataclass
@@ -28,7 +46,10 @@ class ServerProcess:
     host: str
     port: int
     log_path: Path
+    name: str = "engine"
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     proc: subprocess.Popen | None = field(default=None, repr=False)
+    watchdog: subprocess.Popen | None = field(default=None, repr=False)
     stopping: bool = field(default=False, repr=False)  # stop() was called: start() gives up
     closed: bool = field(default=False, repr=False)  # close() was called: start() refuses
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -37,33 +58,65 @@ class ServerProcess:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, ready_timeout_s: float = 300.0) -> ServerProcess:
-        """Starts the server and waits until it answers /health. stop() from another thread
-        ends the wait (the server is stopped, EngineStartError raised)."""
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    def start(self, ready_timeout_s: float = 600.0) -> ServerProcess:
+        """Starts the server in a session of its own, with a watchdog that stops that session if
+        this process dies; waits for /health, logging progress. On failure nothing is left running.
+        stop() from another thread ends the wait (the server is stopped, EngineStartError raised)."""
+        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.env}
         with self._lock:
             if self.closed:
-                raise EngineStartError(f"engine on port {self.port} was closed before it started")
+                raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
             self.stopping = False
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env,
+            with open(self.log_path, "ab") as out:
+                self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
-        deadline = time.monotonic() + ready_timeout_s
-        while time.monotonic() < deadline:
+            self.watchdog = subprocess.Popen(
+                [sys.executable, "-m", "megatron_rlvr.rollout.watchdog", str(os.getpid()), str(self.proc.pid)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                start_new_session=True)
+        started = time.monotonic()
+        next_report = started + PROGRESS_EVERY_S
+        while True:
+            waited = time.monotonic() - started
             if self.stopping:
-                raise EngineStartError(f"engine on port {self.port} was stopped while starting")
+                raise EngineStartError(f"{self.name} ({self.url}) was stopped while starting")
             if self.proc.poll() is not None:
-                raise EngineStartError(f"engine on port {self.port} exited with {self.proc.returncode}; "
-                                       f"log: {self.log_path}\n{_tail(self.log_path)}")
+                code = self.proc.returncode
+                self.stop()
+                raise EngineStartError(f"{self.name} ({self.url}) exited with {code} before it was ready: "
+                                       f"{failure_reason(self.log_path)}; log: {self.log_path}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    log.info("%s ready at %s after %.0f s", self.name, self.url, waited)
                     return self
             except httpx.HTTPError:
                 pass
+            if waited > ready_timeout_s:
+                self.stop()
+                raise EngineStartError(f"{self.name} ({self.url}) not healthy after {ready_timeout_s:.0f} s "
+                                       f"(rollout.start_timeout_s); last log line: {last_line(self.log_path)}; "
+                                       f"log: {self.log_path}")
+            if time.monotonic() >= next_report:
+                log.info("%s: waiting for %s/health, %.0f s of %.0f s; log: %s; last line: %s", self.name,
+                         self.url, waited, ready_timeout_s, self.log_path, last_line(self.log_path))
+                next_report += PROGRESS_EVERY_S
             time.sleep(0.25)
-        self.stop()
-        raise EngineStartError(f"engine on port {self.port} not healthy after {ready_timeout_s:.0f}s; "
-                               f"log: {self.log_path}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stops the server and everything it started (its session's process group, what is
+        left of it after the server itself died included): SIGTERM, then SIGKILL after grace_s
+        (at once with 0)."""
+        with self._lock:
+            self.stopping = True
+        if self.proc is not None:
+            stop_group(self.proc.pid, grace_s, wait=self.proc.wait)
+        if self.watchdog is not None and self.watchdog.poll() is None:
+            self.watchdog.kill()
+            self.watchdog.wait()
 
     def close(self, grace_s: float = 10.0) -> None:
         """stop() for good: a start() racing with it refuses instead of starting a server
@@ -84,23 +137,53 @@ class ServerProcess:
     def log_tail(self, lines: int = 8) -> str:
         return "\n".join(_tail(self.log_path).splitlines()[-lines:])
 
-    @property
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
-    def stop(self, grace_s: float = 10.0) -> None:
-        """Stops the server and anything it started (its own process group): SIGTERM, then
-        SIGKILL after grace_s (at once with 0)."""
-        with self._lock:
-            self.stopping = True
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+def stop_group(pgid: int, grace_s: float, wait=None) -> None:
+    """SIGTERM to a process group, SIGKILL to whatever is left of it after grace_s."""
+    try:
+        os.killpg(pgid, signal.SIGTERM if grace_s > 0 else signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + grace_s
+    if wait is not None:
         try:
-            self.proc.wait(timeout=grace_s)
+            wait(timeout=grace_s)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+            pass
+    while time.monotonic() < deadline and group_alive(pgid):
+        time.sleep(0.1)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        return
+    if wait is not None:
+        wait()
+
+
+def group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def last_line(path: Path) -> str:
+    lines = [line.strip() for line in _tail(path).splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(empty)"
+
+
+def failure_reason(path: Path) -> str:
+    """The line of a server's log that says why it stopped: an argparse error, the last
+    exception, or else its last line."""
+    lines = [line.strip() for line in _tail(path, 20000).splitlines() if line.strip()]
+    for pattern in (r"\berror: ", r"^[A-Za-z_.]*(Error|Exception)\b.*:", r"(Error|Exception): "):
+        hits = [line for line in lines if re.search(pattern, line)]
+        if hits:
+            return hits[-1][:300]
+    return lines[-1][:300] if lines else "(empty log)"
 
 
 def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int,
@@ -112,31 +195,62 @@ def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int,
 
 def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int,
                    routed_experts: bool) -> list[str]:
-    """`python -m sglang.launch_server` with the run's layout; SGLang is an optional extra."""
-    if importlib.util.find_spec("sglang") is None:
-        raise EngineStartError("rollout.engine.type = sglang needs SGLang: "
-                               'pip install -c constraints.txt -e ".[gpu]" on a GPU machine')
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model_dir,
+    """`python -m sglang.launch_server` with the run's layout. Requests and responses carry
+    token ids only (the sampler tokenizes), so SGLang skips its tokenizer."""
+    python = engine.python or sys.executable
+    if engine.python is None and importlib.util.find_spec("sglang") is None:
+        raise EngineStartError("rollout.engine.type = sglang needs SGLang: bash scripts/setup.sh --gpu on a "
+                               "GPU machine, or set rollout.engine.python to an interpreter that has it")
+    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir,
            "--host", host, "--port", str(port), "--tp-size", str(engine.tp),
            "--ep-size", str(engine.ep), "--mem-fraction-static", str(engine.mem_fraction_static),
-           "--dtype", engine.dtype,
+           "--dtype", engine.dtype, "--skip-tokenizer-init",
            "--weight-version", "0"]  # SGLang starts at "default"; syncs count from 0
+    if engine.device == "cpu":
+        cmd += SGLANG_CPU_FLAGS
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
-    return cmd + list(engine.extra_args)
+    return cmd + list(engine.extra_args)  # last: argparse lets a later flag override ours
+
+
+def sglang_env(engine: SglangEngine, gpus: list[int] | None = None) -> dict[str, str]:
+    """CPU: the CPU platform, and one core set per TP rank (SGLang's default binds a rank per
+    NUMA node and refuses more ranks than nodes). CUDA: the engine's GPUs, when given."""
+    if engine.device == "cuda":
+        return {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
+    env = {"SGLANG_USE_CPU_ENGINE": "1"}
+    if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), engine.tp)
+    return env
+
+
+def cpu_binding(cores: list[int], ranks: int) -> str:
+    """SGLANG_CPU_OMP_THREADS_BIND for `ranks` ranks: contiguous core ranges, one per rank
+    ("0-7|8-15"); with fewer cores than ranks, ranks share cores round-robin ("0|1|0")."""
+    if len(cores) < ranks:
+        return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
+    per = len(cores) // ranks
+    chunks = [cores[r * per:(r + 1) * per] for r in range(ranks)]
+    return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
 
 
 def engine_process(model_dir: str, engine: CpuEngine | SglangEngine, *, host: str, port: int,
-                   routed_experts: bool, log_dir: str | Path) -> ServerProcess:
-    build = cpu_engine_command if isinstance(engine, CpuEngine) else sglang_command
+                   routed_experts: bool, log_dir: str | Path, name: str = "engine",
+                   gpus: list[int] | None = None) -> ServerProcess:
+    """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    return ServerProcess(build(model_dir, engine, host, port, routed_experts), host, port,
-                         log_dir / f"engine-{port}.log")
+    if isinstance(engine, CpuEngine):
+        command, env = cpu_engine_command(model_dir, engine, host, port, routed_experts), {}
+    else:
+        command, env = sglang_command(model_dir, engine, host, port, routed_experts), sglang_env(engine, gpus)
+    return ServerProcess(command, host, port, log_dir / f"engine-{port}.log", name=name, env=env)
 
 
 def _tail(path: Path, chars: int = 2000) -> str:
     try:
-        return path.read_text(errors="replace")[-chars:]
+        with open(path, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - chars))
+            return f.read().decode(errors="replace")
     except OSError:
         return ""

@@ -1,6 +1,11 @@
 """Packing (name, tensor) pairs into flat uint8 buckets in SGLang's flattened-bucket layout:
 one dtype per bucket (offsets stay aligned to the element size), tensors back to back in
-order, at most `max_bytes` each (a single larger tensor gets a bucket of its own)."""
+order, at most `max_bytes` each (a single larger tensor gets a bucket of its own).
+
+The receiver posts exactly this buffer: SGLang 0.5.23's FlattenedTensorBucket.empty
+(srt/weight_sync/tensor_bucket.py) allocates torch.empty(Σ numel·itemsize, dtype=uint8) and
+receives it in one broadcast, so both sides post a uint8 collective of the same count (a
+test runs SGLang's own code to confirm it)."""
 
 from __future__ import annotations
 
@@ -31,7 +36,7 @@ class Bucket:
 
 
 def bucket_checksum(buffer: torch.Tensor) -> str:
-    return hashlib.sha256(buffer.contiguous().numpy().tobytes()).hexdigest()
+    return hashlib.sha256(buffer.contiguous().cpu().numpy().tobytes()).hexdigest()
 
 
 def nbytes(dtype: torch.dtype, shape: list[int]) -> int:
@@ -70,9 +75,11 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
     return Bucket([n for n, _ in named], dtype, [list(t.shape) for _, t in named], buffer)
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterator[Bucket]:
+def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
+            device: torch.device | str = "cpu") -> Iterator[Bucket]:
     """Streams buckets as the (name, tensor) stream arrives: at most one open bucket per
-    dtype, so memory stays bounded by the open buckets, not by the model."""
+    dtype, so memory stays bounded by the open buckets, not by the model. Buckets are packed
+    on `device`, the update group's (CUDA for NCCL, the host for gloo)."""
     open_: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
     sizes: dict[torch.dtype, int] = {}
     for name, tensor in named:
@@ -81,7 +88,7 @@ def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int) -> Iterat
             yield pack(open_.pop(dtype))
         if dtype not in open_:
             open_[dtype], sizes[dtype] = [], 0
-        open_[dtype].append((name, tensor.detach().cpu()))
+        open_[dtype].append((name, tensor.detach().to(device)))
         sizes[dtype] += size
     for group in open_.values():
         yield pack(group)

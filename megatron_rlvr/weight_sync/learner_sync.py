@@ -41,9 +41,11 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     if syncer is None:
         return {}
     gaps = check_parity(syncer.member_clients, prompt, responses, logprobs, tolerance)
-    return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values())}
+    return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values()),
+            "weight_sync/parity_tolerance": tolerance}
 
 
 def _report_metrics(report) -> dict:
     return {"weight_sync/seconds": report.seconds, "weight_sync/bytes": report.bytes,
-            "weight_sync/buckets": report.buckets, "weight_sync/version": report.version}
+            "weight_sync/buckets": report.buckets, "weight_sync/version": report.version,
+            "weight_sync/engine_version": report.engine_version}

@@ -9,13 +9,14 @@ import asyncio
 
 import torch
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
 
 
-class ParityError(RuntimeError):
-    pass
+class ParityError(UserError):
+    """An engine's logprobs disagree with the learner's after a sync."""
 
 
 async def engine_samples(clients: list[EngineClient], prompt_ids: list[int], *, max_new_tokens: int,

@@ -4,8 +4,16 @@ One sync: check every engine holds the previous version (an engine that skipped 
 an update is caught here) → pause generation (retract by default) → open the update session
 → for each flattened dtype bucket: announce it to every engine through
 /update_weights_from_distributed, then ONE broadcast, while the next bucket is already being
-exported and packed (memory: two buckets) → close the session → resume → check every engine
-now reports the new version. Any engine error stops the sync with the engine named.
+exported and packed (memory: two buckets) → close the session → flush the engines' prefix
+cache (KV and routed experts computed under the old weights; SGLang 0.5.23 flushes only when
+an update asks it to, and its end_weight_update does not) → resume → check every engine now
+reports the new version. Any engine error stops the sync with the engine named.
+
+An engine refuses a bucket before it posts its side of the broadcast (no session, unknown
+group, a malformed request) or not at all. A refusal after rank 0 posted an NCCL broadcast
+would leave it waiting for the NCCL watchdog, so the first bucket of each sync waits up to
+weight_sync.refusal_wait_s for refusals before its broadcast is posted; the conditions a
+refusal depends on are the same for every bucket of a sync.
 
 Engines come and go: one that stopped answering leaves the update group at the next sync,
 and one that answers again (restarted, so holding its initial weights) joins it and gets
@@ -26,14 +34,15 @@ from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
-from megatron_rlvr.weight_sync.transport import broadcast, open_group
+from megatron_rlvr.weight_sync.transport import abort_group, broadcast, bucket_device, group_layout, open_group
 
 log = logging.getLogger(__name__)
 
 
-class WeightSyncError(RuntimeError):
-    pass
+class WeightSyncError(UserError):
+    """A sync that could not complete, naming the engine and what it said."""
 
 
 @dataclass
@@ -43,6 +52,7 @@ class SyncReport:
     tensors: int
     bytes: int
     seconds: float
+    engine_version: int | None = None  # what every engine reports after the sync
 
 
 class WeightSyncer:
@@ -50,15 +60,19 @@ class WeightSyncer:
                  master_address: str = "127.0.0.1", engine_ranks: list[int] | None = None,
                  group_name: str = "weight_update_group", initial_version: int | None = None,
                  checksums: bool | None = None):
-        """checksums: send per-bucket checksums (a CPU-engine extension SGLang refuses as an
-        unknown field); None: weight_sync.checksum."""
+        """engine_ranks: the ranks each engine brings to the update group (its tp size; see
+        transport.engine_rank_count); None: one each. checksums: send per-bucket checksums (a
+        CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum."""
+        if engine_ranks is not None and len(engine_ranks) != len(clients):
+            raise ValueError(f"{len(engine_ranks)} engine rank counts for {len(clients)} engines")
         self.clients = clients
         self.cfg = cfg
         self.master_address = master_address
-        self.engine_ranks = engine_ranks or [1] * len(clients)  # tp size of each engine
+        self.engine_ranks = engine_ranks or [1] * len(clients)
         self.group_name = group_name
         self.version = initial_version
-        self.checksums = cfg.checksum if checksums is None else checksums
+        self.checksums = bool(cfg.checksum) if checksums is None else checksums
+        self.backend = "nccl" if cfg.backend == "nccl" else "gloo"
         self.group = None
         self.members: list[int] = []  # indices of the engines in the current group
         self.initial_version = initial_version  # what a (re)started engine holds
@@ -72,17 +86,14 @@ class WeightSyncer:
         rank 0, engine e's ranks start at 1 + Σ ranks of the members before it (SGLang's
         rank_offset)."""
         members = list(range(len(self.clients))) if members is None else members
-        ranks = [self.engine_ranks[i] for i in members]
-        world = 1 + sum(ranks)
+        layout = group_layout([self.engine_ranks[i] for i in members])
         port = free_port(self.master_address)
-        offsets = [1 + sum(ranks[:k]) for k in range(len(members))]
-        backend = "nccl" if self.cfg.backend == "nccl" else "gloo"
-        opening = asyncio.to_thread(open_group, self.master_address, port, 0, world,
-                                    self.group_name, backend)
+        opening = asyncio.to_thread(open_group, self.master_address, port, 0, layout.world_size,
+                                    self.group_name, self.backend)
         joins = [self.clients[i].init_weights_update_group(p.InitWeightsUpdateGroupReqInput(
                      master_address=self.master_address, master_port=port, rank_offset=offset,
-                     world_size=world, group_name=self.group_name, backend=backend))
-                 for i, offset in zip(members, offsets)]
+                     world_size=layout.world_size, group_name=self.group_name, backend=self.backend))
+                 for i, offset in zip(members, layout.offsets)]
         self.group, *_ = await asyncio.gather(opening, *joins)
         self.members = members
         if self.version is None:  # adopt the engines' version; they must agree
@@ -163,40 +174,75 @@ class WeightSyncer:
             await self._all("begin_weight_update", lambda c: c.begin_weight_update())
             report = await self._send(named, version)
             await self._all("end_weight_update", lambda c: c.end_weight_update())
-        finally:
-            await self._all("continue_generation", lambda c: c.resume())
-        await self._check_versions(version, "after the sync")
+            if self.cfg.pause_mode != "in_place":  # in place: no prefix cache (config checks)
+                await self._all("flush_cache", lambda c: c.flush_cache())
+        except BaseException:
+            await asyncio.wait_for(asyncio.gather(*(c.resume() for c in self.member_clients),
+                                                  return_exceptions=True), 30)  # best effort
+            raise
+        await self._all("continue_generation", lambda c: c.resume())
+        versions = await self.engine_versions()
+        await self._check_versions(version, "after the sync", held=dict(zip(self.members, versions)))
         self.version = version
+        report.engine_version = int(versions[0])
         report.seconds = time.perf_counter() - start
         return report
 
     async def _send(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        stream: Iterator[Bucket] = buckets(named, int(self.cfg.bucket_mb * 2**20))
+        stream: Iterator[Bucket] = buckets(named, int(self.cfg.bucket_mb * 2**20), bucket_device(self.backend))
         report = SyncReport(version, 0, 0, 0, 0.0)
         current = await asyncio.to_thread(next, stream, None)
         while current is not None:
             upcoming = asyncio.create_task(asyncio.to_thread(next, stream, None))  # double buffer
-            request = p.UpdateWeightsFromDistributedReqInput(
-                names=current.names, dtypes=[current.dtype_name] * len(current.names),
-                shapes=current.shapes, group_name=self.group_name, weight_version=str(version),
-                load_format="flattened_bucket", flush_cache=False,
-                checksum=current.checksum() if self.checksums else None,
-            )
-            announced = [asyncio.create_task(c.update_weights_from_distributed(request))
-                         for c in self.member_clients]
-            await asyncio.to_thread(broadcast, self.group, current.buffer)
-            results = await asyncio.gather(*announced, return_exceptions=True)
-            failed = [(c, r) for c, r in zip(self.member_clients, results) if isinstance(r, Exception)]
-            if failed:
+            try:
+                await self._send_bucket(current, version, report.buckets)
+            except BaseException:
                 upcoming.cancel()
-                client, err = failed[0]
-                raise WeightSyncError(f"engine {client.base_url} rejected bucket {report.buckets} "
-                                      f"({len(current.names)} tensors, first {current.names[0]}): {err}")
+                raise
             report.buckets += 1
             report.tensors += len(current.names)
             report.bytes += current.nbytes
             current = await upcoming
         return report
+
+    async def _send_bucket(self, bucket: Bucket, version: int, index: int) -> None:
+        """Announces the bucket to every engine, then broadcasts it. The flush is left to the
+        end of the sync (one flush, once every bucket is in)."""
+        request = p.UpdateWeightsFromDistributedReqInput(
+            names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names),
+            shapes=bucket.shapes, group_name=self.group_name, weight_version=str(version),
+            load_format="flattened_bucket", flush_cache=False,
+            checksum=bucket.checksum() if self.checksums else None,
+        )
+        clients = self.member_clients
+        announced = [asyncio.create_task(c.update_weights_from_distributed(request)) for c in clients]
+        what = f"bucket {index} ({len(bucket.names)} tensors, first {bucket.names[0]})"
+        if index == 0 and self.cfg.refusal_wait_s > 0:  # refusals come before the engine posts its side
+            done, _ = await asyncio.wait(announced, timeout=self.cfg.refusal_wait_s)
+            refused = [(c, t.exception()) for c, t in zip(clients, announced) if t in done and t.exception()]
+            if refused:
+                for task in announced:
+                    task.cancel()
+                client, err = refused[0]
+                raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was "
+                                      f"posted: {err}")
+        sending = asyncio.create_task(asyncio.to_thread(broadcast, self.group, bucket.buffer))
+        await asyncio.wait([sending, *announced], return_when=asyncio.FIRST_EXCEPTION)
+        if not sending.done():  # an engine failed while the broadcast waits: nobody will match it
+            abort_group(self.group)
+            self.group = None
+            client, err = next((c, t.exception()) for c, t in zip(clients, announced) if t.done() and t.exception())
+            raise WeightSyncError(f"engine {client.base_url} rejected {what} after its broadcast was posted "
+                                  f"(update group torn down): {err}")
+        if sending.exception() is not None:
+            for task in announced:
+                task.cancel()
+            raise WeightSyncError(f"broadcast of {what} failed: {sending.exception()}")
+        results = await asyncio.gather(*announced, return_exceptions=True)
+        failed = [(c, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
+        if failed:
+            client, err = failed[0]
+            raise WeightSyncError(f"engine {client.base_url} rejected {what}: {err}")
 
     async def _all(self, what: str, call) -> None:
         results = await asyncio.gather(*(call(c) for c in self.member_clients), return_exceptions=True)

@@ -7,9 +7,44 @@ learner's own torch.distributed world."""
 from __future__ import annotations
 
 import datetime
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """The weight-update group over some engines: the learner's source rank is 0, engine k's
+    ranks are offsets[k] .. offsets[k] + ranks[k] - 1 (SGLang: rank = rank_offset + tp_rank)."""
+
+    world_size: int
+    offsets: list[int]
+
+
+def engine_rank_count(tp: int, ep: int = 1) -> int:
+    """Ranks one SGLang engine brings to the group: one per TP rank. Its expert-parallel ranks
+    are those same TP ranks (ep divides tp), so ep adds none."""
+    if tp < 1 or ep < 1 or tp % ep:
+        raise ValueError(f"engine layout tp {tp}, ep {ep}: ep must divide tp")
+    return tp
+
+
+def group_layout(engine_ranks: list[int]) -> GroupLayout:
+    """World size 1 + Σ ranks and each engine's rank_offset, for engines in the given order."""
+    if any(r < 1 for r in engine_ranks):
+        raise ValueError(f"engine rank counts {engine_ranks}: each must be >= 1")
+    offsets, next_rank = [], 1
+    for ranks in engine_ranks:
+        offsets.append(next_rank)
+        next_rank += ranks
+    return GroupLayout(next_rank, offsets)
+
+
+def bucket_device(backend: str) -> torch.device:
+    """Where buckets are packed and broadcast from: NCCL moves CUDA memory only (the learner
+    rank's current GPU), gloo sends from host memory."""
+    return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
 def open_group(master_address: str, master_port: int, rank: int, world_size: int,
@@ -33,5 +68,17 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
 
 
 def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
-    """One blocking broadcast on a standalone process group (sender and receivers alike)."""
+    """One broadcast on a standalone process group (sender and receivers alike), complete on
+    return: NCCL's wait() only orders the GPU stream, so the host waits for the stream too."""
     group.broadcast(tensor, root).wait()
+    if tensor.is_cuda:
+        torch.cuda.current_stream(tensor.device).synchronize()
+
+
+def abort_group(group) -> None:
+    """Tears down a group whose collective can no longer be matched (an engine refused its
+    bucket after the broadcast was posted): NCCL aborts its communicator, so neither side
+    hangs until the watchdog; gloo's pending broadcast ends at the group's timeout."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        abort()
