@@ -325,7 +325,7 @@ class WeightSyncConfig(Section):
         "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
     )
     refusal_wait_s: float = Field(
-        1.0, ge=0.0, le=60.0, description="how long the first bucket of a sync waits for an "
+        0.5, ge=0.0, le=60.0, description="how long the first bucket of a sync waits for an "
         "engine's refusal before its broadcast is posted (an unmatched NCCL broadcast hangs)",
     )
 

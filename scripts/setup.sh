@@ -1,21 +1,61 @@
 #!/usr/bin/env bash
-# Creates .venv (if missing) and installs the project with pinned dependencies.
-# torch goes first, as the local CPU build, and stays pinned by constraints.txt;
-# otherwise pip resolves torch from the index and pulls gigabytes of CUDA packages.
-# Idempotent: a second run only checks and takes a few seconds.
+# Creates .venv (if missing) and installs the project with every dependency pinned.
+#
+#   bash scripts/setup.sh                CPU: torch 2.13.0's CPU build first, held by constraints.txt;
+#                                        otherwise pip resolves torch from the index and pulls
+#                                        gigabytes of CUDA packages.
+#   bash scripts/setup.sh --gpu          GPU nodes (Linux x86-64, CUDA 13 driver): the learner and SGLang
+#                                        in ONE venv, every package pinned by constraints-gpu.txt:
+#                                        torch 2.14.1 (PyPI's CUDA 13.0 build), SGLang 0.5.23,
+#                                        transformer-engine 2.20.2, Megatron-Core 0.16.1. One torch
+#                                        build for both ends of the NCCL weight-update group.
+#   bash scripts/setup.sh --gpu --check  proves constraints-gpu.txt resolves (pip's resolver over package
+#                                        metadata, in a throwaway venv); installs nothing, downloads no
+#                                        CUDA wheel. Exit 3 when the index cannot be reached.
+#
+# Idempotent: a second run with unchanged pins only checks a stamp and returns at once.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
+gpu=0 check=0
+for arg in "$@"; do
+    case "$arg" in
+        --gpu) gpu=1 ;;
+        --check) check=1 ;;
+        *) echo "setup.sh: unknown argument $arg (use --gpu, --gpu --check)" >&2; exit 2 ;;
+    esac
+done
+if [ "$check" = 1 ]; then
+    [ "$gpu" = 1 ] || { echo "setup.sh: --check checks the GPU pins: use --gpu --check" >&2; exit 2; }
+    exec "$PYTHON" scripts/gpu_pins.py check
+fi
+
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
 PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 stamp=.venv/.megatron-rlvr-installed
-want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+if [ "$gpu" = 1 ]; then
+    want="gpu $(cat pyproject.toml constraints-gpu.txt | sha256sum | cut -d' ' -f1)"
+else
+    want="cpu $(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
+fi
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-"${PIP[@]}" "torch==2.13.0"
-"${PIP[@]}" -c constraints.txt -e ".[dev]"
+held="$(cut -d' ' -f1 "$stamp" 2>/dev/null || true)"
+if { [ "$held" = cpu ] || [ "$held" = gpu ]; } && [ "$held" != "${want%% *}" ]; then
+    echo "setup.sh: .venv holds the $held environment; reinstalling it as ${want%% *}" >&2
+fi
+if [ "$gpu" = 1 ]; then
+    # torch first, then everything but transformer-engine's torch extension, which builds against
+    # the torch installed here (--no-build-isolation, as transformer-engine's docs ask).
+    "${PIP[@]}" -c constraints-gpu.txt torch setuptools ninja
+    "${PIP[@]}" -c constraints-gpu.txt -e ".[dev]" sglang transformer-engine-cu13
+    "${PIP[@]}" -c constraints-gpu.txt --no-build-isolation -e ".[gpu,dev]"
+else
+    "${PIP[@]}" "torch==2.13.0"
+    "${PIP[@]}" -c constraints.txt -e ".[dev]"
+fi
 echo "$want" > "$stamp"

@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv-sglang: a venv of its own (never the project's .venv) holding a REAL
-# SGLang 0.5.23 that serves on CPU, for the engine-client conformance tests
-# (tests/sglang_cpu/launch.sh starts the server; `pytest -m sglang` runs tests/test_engine_api.py
-# against it).
+# SGLang 0.5.23 that serves on CPU: rollout.engine {type: sglang, device: cpu, python:
+# .venv-sglang/bin/python} (configs/tiny-moe-sglang-cpu.yaml) and the real-SGLang tests.
 #
 # `pip install sglang` would pin a CUDA torch 2.14.1 and ~200 packages, so instead:
-#   1. torch==2.13.0 first (the local CPU wheel in pip's find-links), held by constraints.txt;
-#   2. every other package from tests/sglang_cpu/requirements.txt, all pinned, with --no-deps
-#      (sglang 0.5.23 itself included): exactly that list, nothing resolved from sglang's metadata;
+#   1. torch==2.13.0 first (the CPU build, the learner's own);
+#   2. every other package from tests/sglang_cpu/requirements.txt, all pinned (torch==2.13.0 too),
+#      with --no-deps (sglang 0.5.23 itself included): exactly that list, nothing resolved from
+#      sglang's metadata (which asks for a CUDA torch 2.14.1 and transformers 5.19.0);
 #   3. a .pth file in the venv's site-packages that puts tests/sglang_cpu/standins on sys.path
 #      (import-only `torchvision`, pure-torch `sgl_kernel`) and imports
 #      sglang_cpu_sitecustomize (plain host allocation instead of cudaHostRegister for the
@@ -35,7 +35,7 @@ site="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
 printf '%s\nimport sglang_cpu_sitecustomize\n' "$standins" > "$site/sglang_cpu_standins.pth"
 
 stamp="$venv/.sglang-cpu-installed"
-want="$(cat "$req" constraints.txt scripts/setup_sglang_cpu.sh | sha256sum | cut -d' ' -f1)"
+want="$(cat "$req" scripts/setup_sglang_cpu.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -43,7 +43,7 @@ PIP=("$py" -m pip install --disable-pip-version-check -q)
 # 1. the CPU build of torch, from the local wheel
 "${PIP[@]}" "torch==2.13.0"
 # 2. the pinned closure, without dependency resolution
-"${PIP[@]}" -c constraints.txt --no-deps -r "$req"
+"${PIP[@]}" --no-deps -r "$req"
 # Sanity: the server's import graph loads and the patch is in place.
 check='
 import torch, sglang, sgl_kernel, torchvision
@@ -60,4 +60,4 @@ if ! out="$(SGLANG_USE_CPU_ENGINE=1 "$py" -c "$check" 2>&1)"; then
     exit 1
 fi
 echo "$want" > "$stamp"
-echo "ready: $venv (sglang 0.5.23 on torch $("$py" -c 'import torch; print(torch.__version__)')); start a server with tests/sglang_cpu/launch.sh MODEL_DIR PORT"
+echo "ready: $venv (sglang 0.5.23 on torch $("$py" -c 'import torch; print(torch.__version__)')); use it with rollout.engine.python=$venv/bin/python (configs/tiny-moe-sglang-cpu.yaml)"

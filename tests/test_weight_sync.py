@@ -1,11 +1,21 @@
-"""Weight sync from the Megatron learner to real CPU engine processes over gloo."""
+"""Weight sync from the Megatron learner to real CPU engine processes over gloo, and the pure
+parts of it: bucket packing, the update group's layout over (engines × tp × ep)."""
 
+import asyncio
+import time
+
+import httpx
 import pytest
 import torch
 
 from distributed import run_ranks
 from engine_fixtures import start_engine
+from megatron_rlvr.config import WeightSyncConfig, load_config
+from megatron_rlvr.launch.learners import engine_ranks
+from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.weight_sync.buckets import bucket_layout, buckets, pack, unpack
+from megatron_rlvr.weight_sync.syncer import WeightSyncer, WeightSyncError
+from megatron_rlvr.weight_sync.transport import bucket_device, engine_rank_count, group_layout
 
 
 def test_buckets_keep_one_dtype_stay_under_the_limit_and_unpack_to_views():
@@ -27,6 +37,45 @@ def test_layout_refuses_unaligned_mixed_dtypes():
         bucket_layout([torch.bfloat16, torch.float32], [[3], [2]])
     with pytest.raises(ValueError, match="one dtype"):
         pack([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))])
+
+
+@pytest.mark.parametrize("engines, tp, ep, world, offsets", [
+    (4, 4, 1, 17, [1, 5, 9, 13]),                       # configs/qwen3-30b-a3b-grpo-r3.yaml: 4 engines × TP4
+    (4, 4, 4, 17, [1, 5, 9, 13]),                       # expert parallel inside each engine's TP ranks
+    (8, 8, 1, 65, [1, 9, 17, 25, 33, 41, 49, 57]),      # configs/qwen3-235b-a22b-gspo.yaml: 8 engines × TP8
+    (8, 8, 8, 65, [1, 9, 17, 25, 33, 41, 49, 57]),
+    (2, 1, 1, 3, [1, 2]),                               # the CPU tests: one rank per engine
+    (1, 2, 1, 3, [1]),                                  # one SGLang tp 2 engine on CPU (tests/test_sglang_cpu.py)
+])
+def test_update_group_holds_the_sender_and_every_rank_of_every_engine(engines, tp, ep, world, offsets):
+    layout = group_layout([engine_rank_count(tp, ep)] * engines)
+    assert layout.world_size == world == 1 + engines * tp and layout.offsets == offsets
+    ranks = [offset + tp_rank for offset in layout.offsets for tp_rank in range(tp)]  # SGLang: offset + tp_rank
+    assert sorted(ranks) == list(range(1, world))  # each once, none out of range, rank 0 is the learner
+
+
+def test_update_group_of_mixed_engines_and_bad_layouts():
+    assert group_layout([2, 1, 4]).offsets == [1, 3, 4]
+    assert group_layout([2, 1, 4]).world_size == 8
+    with pytest.raises(ValueError, match="ep must divide tp"):
+        engine_rank_count(4, 3)
+    with pytest.raises(ValueError, match="each must be >= 1"):
+        group_layout([2, 0])
+
+
+@pytest.mark.parametrize("recipe, expected", [("qwen3-30b-a3b-grpo-r3", [4] * 4), ("qwen3-235b-a22b-gspo", [8] * 8),
+                                              ("tiny-moe-cpu", [1])])
+def test_the_learner_passes_each_engines_rank_count_to_the_syncer(recipe, expected):
+    cfg = load_config(f"configs/{recipe}.yaml")
+    assert engine_ranks(cfg, cfg.rollout.num_engines) == expected
+    if recipe == "qwen3-30b-a3b-grpo-r3":
+        assert group_layout(expected).offsets == [1, 5, 9, 13] and group_layout(expected).world_size == 17
+
+
+def test_buckets_are_packed_on_the_update_groups_device():
+    named = [("a", torch.randn(3, 4)), ("b", torch.randn(5))]
+    assert all(b.buffer.is_meta for b in buckets(named, 1 << 20, device="meta"))  # moved, then packed there
+    assert all(b.buffer.device.type == "cpu" for b in buckets(named, 1 << 20, device=bucket_device("gloo")))
 
 
 @pytest.fixture(scope="module")
@@ -62,3 +111,38 @@ def test_corrupted_bucket_and_skipped_version_are_detected(engines, tiny_hf_dir,
     assert r["version_after_corruption"] == r["versions"]  # kept its old version
     assert r["retry_metrics"]["weight_sync/parity_max_gap"] <= 1e-5  # a clean retry then succeeds
     assert "skipped or repeated an update" in r["skipped_error"]
+
+
+def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines, tiny_hf_dir):
+    """The engine left the update group (it refuses at once: no such group): the sync stops
+    within the refusal wait, naming the engine, without posting the broadcast it would never
+    match (gloo would wait 300 s, NCCL until its watchdog), and the engine serves on."""
+    from safetensors.torch import load_file
+
+    weights = list(load_file(str(tiny_hf_dir / "model.safetensors")).items())[:3]
+    engine = engines[0]
+
+    async def refused_sync():
+        client = EngineClient(engine.url)
+        syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05, refusal_wait_s=5.0),
+                              group_name="refusal_test", checksums=True)
+        try:
+            await syncer.connect()
+            version = syncer.version
+            await client.destroy_weights_update_group("refusal_test")
+            started = time.monotonic()
+            with pytest.raises(WeightSyncError) as err:
+                await syncer.sync(weights, version + 1)
+            return str(err.value), time.monotonic() - started, version
+        finally:
+            await client.close()
+
+    message, seconds, version = asyncio.run(refused_sync())
+    assert f"engine {engine.url} refused bucket 0" in message and "before its broadcast was posted" in message
+    assert "no weight update group named 'refusal_test'" in message
+    assert seconds < 30
+    info = httpx.get(f"{engine.url}/model_info", timeout=10).json()
+    assert info["weight_version"] == str(version)  # nothing loaded
+    row = httpx.post(f"{engine.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
+                     timeout=60)
+    assert row.status_code == 200  # resumed, not left paused

@@ -48,7 +48,7 @@ class EngineClient:
             else:
                 if response.status_code < 400:
                     self.failures, self.healthy = 0, True
-                    return response.json() if response.content else None
+                    return _body(response)
                 if response.status_code < 500:
                     raise EngineRequestError(f"{self.base_url}{path}: {_message(response)}")
                 last = RuntimeError(f"HTTP {response.status_code}: {_message(response)}")
@@ -112,6 +112,16 @@ class EngineClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+def _body(response: httpx.Response) -> Any:
+    """JSON, or the text of the endpoints SGLang answers in plain text (/flush_cache)."""
+    if not response.content:
+        return None
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
 
 
 def _message(response: httpx.Response) -> str:

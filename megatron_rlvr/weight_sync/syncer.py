@@ -177,8 +177,7 @@ class WeightSyncer:
             if self.cfg.pause_mode != "in_place":  # in place: no prefix cache (config checks)
                 await self._all("flush_cache", lambda c: c.flush_cache())
         except BaseException:
-            await asyncio.wait_for(asyncio.gather(*(c.resume() for c in self.member_clients),
-                                                  return_exceptions=True), 30)  # best effort
+            await self._recover()
             raise
         await self._all("continue_generation", lambda c: c.resume())
         versions = await self.engine_versions()
@@ -243,6 +242,17 @@ class WeightSyncer:
         if failed:
             client, err = failed[0]
             raise WeightSyncError(f"engine {client.base_url} rejected {what}: {err}")
+
+    async def _recover(self, timeout_s: float = 30.0) -> None:
+        """After a failed sync, best effort: close the update session (SGLang refuses to open
+        a new one while one is open) and resume generation, bounded: an engine still waiting
+        for a broadcast may not answer."""
+        for step in (lambda c: c.end_weight_update(), lambda c: c.resume()):
+            try:
+                await asyncio.wait_for(asyncio.gather(*(step(c) for c in self.member_clients),
+                                                      return_exceptions=True), timeout_s)
+            except asyncio.TimeoutError:
+                log.warning("engines did not answer within %.0f s after a failed sync", timeout_s)
 
     async def _all(self, what: str, call) -> None:
         results = await asyncio.gather(*(call(c) for c in self.member_clients), return_exceptions=True)

@@ -1,0 +1,200 @@
+"""The GPU path, proved in one command on a fresh one-GPU machine (scripts/gpu_check.sh runs it).
+
+Steps, in order; the first that fails stops the check, named, with a non-zero exit:
+  setup        bash scripts/setup.sh --gpu (torch 2.14.1/CUDA 13, SGLang 0.5.23, TE 2.20.2, Megatron-Core)
+  inventory    versions of torch, CUDA, NCCL, megatron.core, transformer_engine, sglang; the GPU
+  learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "hf or logprob"
+  replay       routing replay R2/R3 on CUDA                                  pytest -m gpu -k replay
+  checkpoint   a checkpoint made on CPU loaded on GPU                       pytest -m gpu -k checkpoint
+  sglang-gpu   real SGLang on the GPU (tp 1): engine API, weight sync, R3, repeated prompt across a sync
+  learner-gpu  every other `gpu` test
+  train        a short `megatron-rlvr train`: learner and SGLang share GPU 0, R3, bf16, gloo weight sync
+  submit       `submit --dry-run` of the two Qwen3 recipes
+It writes REPORT.md and REPORT.json (every step's command, status, time and figures) into --out.
+
+--dry-run lists the steps and their commands and runs nothing. --smoke runs the same machinery
+on a CPU machine (the GPU steps become no-ops, submit runs for real), so CI can prove the
+script itself; GPU_CHECK_FAIL_AT=<step> makes that step fail, to prove the first failure stops
+the check. Stdlib only: it runs before the venv exists.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = ".venv/bin/python"
+INVENTORY = """
+import json, torch
+info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
+        "gpus": torch.cuda.device_count(), "nccl": ".".join(map(str, torch.cuda.nccl.version()))}
+for name in ("megatron.core", "transformer_engine", "sglang", "transformers"):
+    try:
+        module = __import__(name, fromlist=["_"])
+        info[name] = getattr(module, "__version__", "?")
+    except Exception as err:
+        info[name] = f"MISSING ({type(err).__name__}: {err})"
+print(json.dumps(info))
+"""
+TRAIN = ["configs/tiny-moe-sglang-cpu.yaml", "parallel.device=cuda", "rollout.engine.device=cuda",
+         "rollout.engine.python=null", "rollout.engine.gpus=[0]", "rollout.engine.mem_fraction_static=0.3",
+         "rollout.engine.dtype=bfloat16", "trainer.dtype=bfloat16", "launch.mode=local",
+         "weight_sync.backend=gloo",  # one GPU cannot hold two NCCL ranks ("Duplicate GPU detected")
+         "algo.routing_replay=r3", "trainer.steps=5"]
+SGLANG_GPU_TESTS = "tests/test_engine_api.py"
+
+
+@dataclass
+class Step:
+    name: str
+    what: str
+    command: list[str]
+    kind: str = "command"  # command | pytest | train | inventory
+    gpu: bool = True  # a no-op in --smoke
+    ok_codes: tuple[int, ...] = (0,)
+    status: str = "not run"
+    seconds: float = 0.0
+    figures: dict = field(default_factory=dict)
+    tail: str = ""
+
+
+def pytest_step(name: str, what: str, *selection: str, ok_codes: tuple[int, ...] = (0,)) -> Step:
+    return Step(name, what, [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *selection],
+                kind="pytest", ok_codes=ok_codes)
+
+
+def plan(out: Path) -> list[Step]:
+    train_dir = out / "train-run"
+    return [
+        Step("setup", "bash scripts/setup.sh --gpu", ["bash", "scripts/setup.sh", "--gpu"]),
+        Step("inventory", "versions and the GPU", [PY, "-c", INVENTORY], kind="inventory"),
+        pytest_step("learner-hf", "world-1 learner on CUDA vs HF logprobs (bf16, TE spec)", "-k", "hf or logprob",
+                    "--ignore", SGLANG_GPU_TESTS),
+        pytest_step("replay", "routing replay R2/R3 on CUDA", "-k", "replay", "--ignore", SGLANG_GPU_TESTS),
+        pytest_step("checkpoint", "a checkpoint made on CPU loaded on GPU", "-k", "checkpoint",
+                    "--ignore", SGLANG_GPU_TESTS),
+        pytest_step("sglang-gpu", "SGLang on the GPU (tp 1): API, weight sync, R3, repeated prompt across a sync",
+                    SGLANG_GPU_TESTS, "-k", "sglang_cuda"),
+        pytest_step("learner-gpu", "every other gpu test (none is fine)", "-k",
+                    "not (hf or logprob or replay or checkpoint)", "--ignore", SGLANG_GPU_TESTS, ok_codes=(0, 5)),
+        Step("train", "megatron-rlvr train: learner + SGLang on GPU 0, R3, bf16, 5 steps",
+             [".venv/bin/megatron-rlvr", "train", *TRAIN, f"trainer.output_dir={train_dir}"], kind="train"),
+        Step("submit", "submit --dry-run of both Qwen3 recipes", ["bash", "-c", " && ".join(
+            f".venv/bin/megatron-rlvr submit configs/{name}.yaml --nodes {nodes} --gpus-per-node 8 --dry-run >/dev/null"
+            for name, nodes in (("qwen3-30b-a3b-grpo-r3", 4), ("qwen3-235b-a22b-gspo", 16)))], gpu=False),
+    ]
+
+
+def figures(step: Step, out: Path, stdout: str) -> dict:
+    """The numbers a reader of the report needs from each kind of step."""
+    if step.kind == "inventory":
+        return json.loads(stdout.strip().splitlines()[-1])
+    if step.kind == "pytest":
+        xml = out / f"{step.name}.xml"
+        if not xml.exists():
+            return {}
+        tests = {}
+        for case in ElementTree.parse(xml).getroot().iter("testcase"):
+            outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else \
+                "skipped" if case.find("skipped") is not None else "passed"
+            tests[f"{case.get('classname')}::{case.get('name')}"] = {"outcome": outcome, "seconds": float(case.get("time", 0))}
+        return {"tests": tests, "passed": sum(t["outcome"] == "passed" for t in tests.values()),
+                "failed": sum(t["outcome"] == "failed" for t in tests.values())}
+    if step.kind == "train":
+        path = out / "train-run" / "metrics.jsonl"
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        keys = ("step", "reward/mean", "policy_version", "weight_sync/engine_version", "weight_sync/parity_max_gap",
+                "weight_sync/parity_tolerance", "weight_sync/seconds", "train/routing_agreement_engine",
+                "train/routing_agreement_engine_used", "time/step_s", "rollout/engine_kind")
+        return {"steps": [{k: row.get(k) for k in keys} for row in rows]}
+    return {}
+
+
+def run_step(step: Step, out: Path, smoke: bool) -> bool:
+    injected = os.environ.get("GPU_CHECK_FAIL_AT") == step.name
+    real = not injected and not (smoke and step.gpu)
+    if injected:
+        command = ["bash", "-c", f"echo 'injected failure (GPU_CHECK_FAIL_AT={step.name})' >&2; exit 7"]
+    elif not real:
+        command = ["true"]
+    else:
+        command = step.command + ([f"--junitxml={out / (step.name + '.xml')}"] if step.kind == "pytest" else [])
+    started = time.monotonic()
+    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    step.seconds = round(time.monotonic() - started, 1)
+    step.tail = (done.stdout + done.stderr)[-3000:]
+    (out / f"{step.name}.log").write_text(done.stdout + done.stderr)
+    if real:  # a failed step's figures too (which tests failed, how far training got)
+        try:
+            step.figures = figures(step, out, done.stdout)
+        except (ValueError, OSError, IndexError) as err:
+            step.figures = {"unreadable": f"{type(err).__name__}: {err}"}
+    if done.returncode == 5 and step.kind == "pytest":
+        step.tail += "\nno test matched this step's selection"
+    ok = done.returncode in step.ok_codes
+    step.status = "passed" if ok else f"FAILED (exit {done.returncode})"
+    if not real and ok:
+        step.status = "skipped (smoke: needs a GPU)"
+    return ok
+
+
+def write_report(steps: list[Step], out: Path, mode: str, failed: Step | None) -> None:
+    verdict = "PASSED" if failed is None else f"FAILED at step {failed.name}"
+    data = {"verdict": verdict, "mode": mode, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "steps": [asdict(s) for s in steps]}
+    (out / "REPORT.json").write_text(json.dumps(data, indent=1))
+    lines = [f"# GPU check: {verdict}", "", f"mode: {mode}; {data['time']}; logs and junit XML beside this file", "",
+             "| step | what | status | s |", "|---|---|---|---|"]
+    lines += [f"| {s.name} | {s.what} | {s.status} | {s.seconds} |" for s in steps]
+    for s in steps:
+        if s.figures:
+            lines += ["", f"## {s.name}", "", "```", json.dumps(s.figures, indent=1)[:6000], "```"]
+    if failed is not None:
+        lines += ["", f"## {failed.name} failed: `{shlex.join(failed.command)}`", "", "```", failed.tail, "```"]
+    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description="Prove the GPU path on a one-GPU machine (see the module doc).")
+    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check")
+    parser.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
+    parser.add_argument("--smoke", action="store_true", help="CPU machine: GPU steps are no-ops (tests the script)")
+    parser.add_argument("--skip-setup", action="store_true", help="the GPU venv is already there")
+    args = parser.parse_args()
+    out = args.out.resolve()
+    steps = plan(out)
+    if args.skip_setup or args.smoke:
+        steps = [s for s in steps if s.name != "setup"]
+    if args.dry_run:
+        for number, step in enumerate(steps, 1):
+            print(f"{number}. {step.name}: {step.what}\n   {shlex.join(step.command)}")
+        return 0
+    out.mkdir(parents=True, exist_ok=True)
+    mode = "smoke (CPU)" if args.smoke else "gpu"
+    failed = None
+    for step in steps:
+        print(f"[gpu-check] {step.name}: {step.what} ...", flush=True)
+        if not run_step(step, out, args.smoke):
+            failed = step
+            break
+        print(f"[gpu-check] {step.name}: {step.status} in {step.seconds} s", flush=True)
+    write_report(steps, out, mode, failed)
+    if failed is not None:
+        print(f"[gpu-check] FAILED at step {failed.name} ({failed.status}); report: {out / 'REPORT.md'}",
+              file=sys.stderr)
+        return 1
+    print(f"[gpu-check] PASSED; report: {out / 'REPORT.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The GPU environment as CI can check it without a GPU: its pins resolve together (pip's
+resolver over package metadata; a conflict fails), and scripts/gpu_check.sh's own machinery
+(steps in order, the report, the first failure named)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _pins(*args: str) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, capture_output=True, text=True, timeout=1500, cwd=REPO)
+    if done.returncode == 3:
+        pytest.skip(f"the package index cannot be reached: {done.stderr.strip()}")
+    return done
+
+
+def test_the_gpu_pins_resolve_together():
+    done = _pins("bash", "scripts/setup.sh", "--gpu", "--check")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "gpu pins: consistent" in done.stdout
+    for pin in ("torch==2.14.1", "transformers==5.19.0", "sglang==0.5.23", "transformer-engine-torch==2.20.2",
+                "transformer-engine-cu13==2.20.2", "megatron-core==0.16.1"):
+        assert pin in done.stdout, done.stdout
+    assert "not pinned" not in done.stdout  # the closure in constraints-gpu.txt is complete
+
+
+def test_a_pin_that_disagrees_with_sglangs_fails_the_check(tmp_path):
+    """The project's CPU transformers pin under the GPU pins: SGLang 0.5.23 needs 5.19.0."""
+    text = (REPO / "constraints-gpu.txt").read_text().replace("transformers==5.19.0", "transformers==5.23.0")
+    (tmp_path / "bad.txt").write_text(text)
+    done = _pins(sys.executable, "scripts/gpu_pins.py", "check", "--constraints", str(tmp_path / "bad.txt"))
+    assert done.returncode == 1
+    assert "CONFLICT" in done.stderr and "transformers" in done.stderr, done.stderr[-3000:]
+
+
+STEPS = ["setup", "inventory", "learner-hf", "replay", "checkpoint", "sglang-gpu", "learner-gpu", "train", "submit"]
+
+
+def test_gpu_check_lists_its_steps_in_order():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    listed = [line.split(":")[0].split(". ", 1)[1] for line in done.stdout.splitlines() if line[:1].isdigit()]
+    assert listed == STEPS
+    assert "tests/test_engine_api.py -k sglang_cuda" in done.stdout
+    assert "rollout.engine.gpus=[0]" in done.stdout and "algo.routing_replay=r3" in done.stdout
+
+
+def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_path):
+    ok = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "ok")],
+                        capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    report = json.loads((tmp_path / "ok" / "REPORT.json").read_text())
+    assert report["verdict"] == "PASSED" and [s["name"] for s in report["steps"]] == STEPS[1:]
+    assert report["steps"][-1]["status"] == "passed"  # submit --dry-run of both recipes ran for real
+    env = {**os.environ, "GPU_CHECK_FAIL_AT": "sglang-gpu"}
+    failed = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "bad")],
+                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    assert failed.returncode == 1 and "FAILED at step sglang-gpu" in failed.stderr
+    report = json.loads((tmp_path / "bad" / "REPORT.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert report["verdict"] == "FAILED at step sglang-gpu" and status["sglang-gpu"] == "FAILED (exit 7)"
+    assert status["train"] == status["submit"] == "not run"
+    assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
