@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
@@ -590,6 +591,8 @@ def resolve(cfg: Config) -> Config:
         sync.backend = "nccl" if on_gpus else "gloo"
     if sync.checksum is None:
         sync.checksum = isinstance(engine, CpuEngine)
+    if isinstance(engine, SglangEngine) and engine.python is not None and "/" in engine.python:
+        engine.python = os.path.abspath(engine.python)  # not resolve(): a venv's python is a symlink
     if sync.parity_tolerance == "auto":
         dtypes = {engine.dtype, cfg.trainer.dtype}
         sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)

@@ -3,18 +3,21 @@
     python scripts/gpu_pins.py check [--constraints FILE]   # bash scripts/setup.sh --gpu --check
     python scripts/gpu_pins.py lock                          # rewrites constraints-gpu.txt's closure
 
-`check` runs pip's own resolver (pip install --dry-run --ignore-installed --report) for the
-project with its gpu and dev extras under constraints-gpu.txt, in a throwaway venv of this
-interpreter (CPython 3.11 on Linux x86-64, as on the GPU nodes). It fails, with pip's
-conflict, if any two pins disagree (SGLang 0.5.23's, transformer-engine's, Megatron-Core's,
-the project's). No CUDA wheel is downloaded: PyPI does not serve separate metadata (PEP 658)
-for most of these wheels, so pip reads each wheel's METADATA with HTTP range requests
-(--use-feature=fast-deps), a few kB per wheel. One package is an sdist whose metadata would
-need a build with a CUDA torch: transformer_engine_torch. The check stands in a wheel holding
-exactly the PKG-INFO that its sdist on PyPI ships (its requirements as built against a CUDA 13
-torch, which is the torch pinned here), so pip resolves with the published metadata.
+`check` resolves the project with its gpu and dev extras under constraints-gpu.txt in a
+throwaway venv of this interpreter (CPython 3.11 on Linux x86-64, as on the GPU nodes), with
+uv's resolver (`uv pip install --dry-run`; uv pinned below, installed into the throwaway venv).
+It fails, with the resolver's explanation, if any two pins disagree (SGLang 0.5.23's,
+transformer-engine's, Megatron-Core's, the project's). No wheel is downloaded: PyPI serves no
+separate metadata (PEP 658) for most of these wheels, so the resolver reads each wheel's
+METADATA with HTTP range requests, a few kB per wheel, in parallel: seconds, where pip's
+resolver (`pip install --dry-run --use-feature=fast-deps`, serial) took minutes for the same
+answer. One package is an sdist whose metadata would need a build with a CUDA torch:
+transformer_engine_torch. The check stands in a wheel holding exactly the PKG-INFO that its
+sdist on PyPI ships (its requirements as built against a CUDA 13 torch, the torch pinned here),
+so the resolver uses the published metadata.
 
-Exit codes: 0 consistent, 1 conflict (pip's message is printed), 3 the index cannot be reached.
+Exit codes: 0 consistent, 1 conflict (the resolver's message is printed), 3 the index cannot be
+reached.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ CONSTRAINTS = REPO / "constraints-gpu.txt"
 INDEX = os.environ.get("PIP_INDEX_URL", "https://pypi.org/simple").rstrip("/")
 SDIST_ONLY = "transformer_engine_torch"  # needs a CUDA torch to build its metadata
 CLOSURE_MARK = "# ---- resolved closure"
+UV = "uv==0.13.9"
 
 
 def pinned(path: Path) -> dict[str, str]:
@@ -82,17 +86,21 @@ def standin_wheel(version: str, out: Path) -> Path:
     return path
 
 
-def resolve(constraints: Path, report: Path, work: Path) -> subprocess.CompletedProcess:
+def resolve(constraints: Path, work: Path) -> tuple[int, str, dict[str, str]]:
+    """(exit code, the resolver's output, {name: version} it would install)."""
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
+                    UV], check=True)
     links = work / "standins"
     links.mkdir()
     standin_wheel(pinned(constraints).get(normalize(SDIST_ONLY), "2.20.2"), links)
-    command = [str(venv / "bin" / "python"), "-m", "pip", "install", "--dry-run", "--ignore-installed",
-               "--quiet", "--report", str(report), "--use-feature=fast-deps", "--find-links", str(links),
-               "-c", str(constraints), f"{REPO}[gpu,dev]"]
-    env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
-    return subprocess.run(command, capture_output=True, text=True, env=env)
+    done = subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "--dry-run", "--python",
+                           str(venv / "bin" / "python"), "--index-url", INDEX, "--find-links", str(links),
+                           "-c", str(constraints), f"{REPO}[gpu,dev]"], capture_output=True, text=True)
+    out = done.stdout + done.stderr
+    chosen = dict(re.findall(r"^ \+ ([A-Za-z0-9_.\-]+)==(\S+)$", out, re.M))
+    return done.returncode, out, {normalize(n): v for n, v in chosen.items()}
 
 
 def reachable() -> bool:
@@ -109,18 +117,13 @@ def check(constraints: Path) -> int:
         return 3
     started = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="gpu-pins-") as tmp:
-        work = Path(tmp)
-        done = resolve(constraints, work / "report.json", work)
-        if done.returncode:
-            lines = [line for line in (done.stderr + done.stdout).splitlines()
-                     if line.strip() and "fast-deps" not in line and "lazily downloaded" not in line]
-            print("\n".join(lines[-40:]), file=sys.stderr)
-            print(f"gpu pins: CONFLICT in {constraints.name} (pip's resolver, above)", file=sys.stderr)
-            return 1
-        chosen = {normalize(i["metadata"]["name"]): i["metadata"]["version"]
-                  for i in json.loads((work / "report.json").read_text())["install"]}
+        code, out, chosen = resolve(constraints, Path(tmp))
+    if code:
+        print(out.strip()[-4000:], file=sys.stderr)
+        print(f"gpu pins: CONFLICT in {constraints.name} (the resolver's explanation above)", file=sys.stderr)
+        return 1
     pins = pinned(constraints)
-    unpinned = sorted(set(chosen) - set(pins) - {"megatron-rlvr"})
+    unpinned = sorted(set(chosen) - set(pins))
     differ = sorted(n for n in set(pins) & set(chosen) if pins[n] != chosen[n])
     if differ:  # cannot happen under -c, but a report that disagrees with the pins must not pass
         print(f"gpu pins: resolved versions differ from the pins: {differ}", file=sys.stderr)
@@ -128,7 +131,7 @@ def check(constraints: Path) -> int:
     key = ("torch", "transformers", "sglang", "transformer-engine", "transformer-engine-torch",
            "transformer-engine-cu13", "megatron-core", "mbridge", "nvidia-nccl-cu13", "flashinfer-python", "numpy")
     print(f"gpu pins: consistent: {len(chosen)} packages resolve together "
-          f"in {time.monotonic() - started:.0f} s (metadata only: no wheel downloaded)")
+          f"in {time.monotonic() - started:.0f} s (metadata only: nothing installed, no wheel downloaded)")
     print("  " + ", ".join(f"{k}=={chosen[k]}" for k in key if k in chosen))
     if unpinned:
         print(f"  not pinned in {constraints.name} (resolved freely): {', '.join(unpinned)}")
@@ -141,16 +144,13 @@ def lock() -> int:
     text = CONSTRAINTS.read_text()
     head = text.split(CLOSURE_MARK)[0]
     with tempfile.TemporaryDirectory(prefix="gpu-pins-") as tmp:
-        work = Path(tmp)
-        (work / "chosen.txt").write_text(head)
-        done = resolve(work / "chosen.txt", work / "report.json", work)
-        if done.returncode:
-            print(done.stderr[-4000:], file=sys.stderr)
-            return 1
-        chosen = pinned(work / "chosen.txt")
-        rows = sorted((i["metadata"]["name"], i["metadata"]["version"])
-                      for i in json.loads((work / "report.json").read_text())["install"])
-    closure = [f"{n}=={v}" for n, v in rows if normalize(n) not in chosen and normalize(n) != "megatron-rlvr"]
+        (Path(tmp) / "chosen.txt").write_text(head)
+        code, out, resolved = resolve(Path(tmp) / "chosen.txt", Path(tmp))
+        chosen = pinned(Path(tmp) / "chosen.txt")
+    if code:
+        print(out[-4000:], file=sys.stderr)
+        return 1
+    closure = [f"{n}=={v}" for n, v in sorted(resolved.items()) if n not in chosen]
     CONSTRAINTS.write_text(head + CLOSURE_MARK + " (python scripts/gpu_pins.py lock) ----\n" + "\n".join(closure) + "\n")
     print(f"wrote {len(closure)} resolved pins below {len(chosen)} chosen ones into {CONSTRAINTS.name}")
     return 0

@@ -9,9 +9,9 @@
 #                                        torch 2.14.1 (PyPI's CUDA 13.0 build), SGLang 0.5.23,
 #                                        transformer-engine 2.20.2, Megatron-Core 0.16.1. One torch
 #                                        build for both ends of the NCCL weight-update group.
-#   bash scripts/setup.sh --gpu --check  proves constraints-gpu.txt resolves (pip's resolver over package
-#                                        metadata, in a throwaway venv); installs nothing, downloads no
-#                                        CUDA wheel. Exit 3 when the index cannot be reached.
+#   bash scripts/setup.sh --gpu --check  proves constraints-gpu.txt resolves (a resolver run over package
+#                                        metadata in a throwaway venv, scripts/gpu_pins.py); installs
+#                                        nothing, downloads no CUDA wheel. Exit 3: index unreachable.
 #
 # Idempotent: a second run with unchanged pins only checks a stamp and returns at once.
 set -euo pipefail

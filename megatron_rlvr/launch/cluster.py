@@ -56,9 +56,11 @@ def resources_needed(cfg: Config) -> dict[str, float]:
     """GPUs the learner ranks and SGLang engines occupy; CPU runs need no whole cores."""
     p = cfg.parallel
     world = p.tp * p.pp * (p.dp or 1)
-    if p.device == "cpu" and cfg.rollout.engine.type == "cpu":
+    engine = cfg.rollout.engine
+    on_gpus = engine.type == "sglang" and engine.device == "cuda"
+    if p.device == "cpu" and not on_gpus:
         return {}
-    engine_gpus = cfg.rollout.num_engines * getattr(cfg.rollout.engine, "tp", 0)
+    engine_gpus = cfg.rollout.num_engines * engine.tp if on_gpus else 0
     return {"GPU": float((world if p.device == "cuda" else 0) + engine_gpus)}
 
 

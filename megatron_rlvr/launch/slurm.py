@@ -76,7 +76,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int) -> Plan:
     p, engine = cfg.parallel, cfg.rollout.engine
     world = p.tp * p.pp * p.dp
     layout = f"tp {p.tp} · pp {p.pp} · dp {p.dp} (ep {p.ep}, etp {p.etp}) on {p.device}"
-    per_engine = engine.tp if isinstance(engine, SglangEngine) else 0
+    per_engine = engine.tp if isinstance(engine, SglangEngine) and engine.device == "cuda" else 0
     result = Plan(nodes, gpus_per_node, world if p.device == "cuda" else 0,
                   cfg.rollout.num_engines, per_engine, layout)
     needed = result.learner_gpus + result.engine_gpus
