@@ -195,3 +195,29 @@ def test_a_dead_owner_never_leaves_its_server_running(tmp_path):
     owner.wait()
     gone, alive = psutil.wait_procs(tree, timeout=30)  # the watchdog exits once the group is gone
     assert not alive, [" ".join(p.cmdline())[:80] for p in alive]
+
+
+def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = ServerProcess([sys.executable, "-c", "raise SystemExit(0)"], "127.0.0.1", port, tmp_path / "p.log",
+                             name="engine 1 (cpu)")
+        with pytest.raises(EngineStartError, match=rf"^engine 1 \(cpu\) \(http://127.0.0.1:{port}\) cannot start: "
+                                                   rf"port {port} is in use; log: .*p.log$"):
+            proc.start()
+    assert proc.proc is None  # nothing was started
+
+
+def test_a_fatal_log_line_fails_the_start_although_the_process_lives(tmp_path):
+    script = ("import time; print('ERROR:    [Errno 98] error while attempting to bind on address: address already "
+              "in use', flush=True); time.sleep(600)")
+    proc = ServerProcess([sys.executable, "-c", script], "127.0.0.1", 9, tmp_path / "f.log", name="engine 0",
+                         check_port=False)
+    started = time.monotonic()
+    with pytest.raises(EngineStartError, match="failed to start: .*address already in use; log: "):
+        proc.start(ready_timeout_s=120)
+    assert time.monotonic() - started < 60 and not proc.alive

@@ -34,6 +34,9 @@ log = logging.getLogger(__name__)
 SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
                     "--disable-cuda-graph", "--sleep-on-idle", "--max-total-tokens", "65536"]
 PROGRESS_EVERY_S = 30.0
+# Log lines after which a server never becomes healthy although its process lives on (SGLang
+# 0.5.23 keeps running when uvicorn cannot bind its port).
+FATAL_LOG_LINES = ("error while attempting to bind",)
 
 
 class EngineStartError(UserError):
@@ -48,6 +51,7 @@ class ServerProcess:
     log_path: Path
     name: str = "engine"
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    check_port: bool = True  # refuse at once when the port is taken
     proc: subprocess.Popen | None = field(default=None, repr=False)
     watchdog: subprocess.Popen | None = field(default=None, repr=False)
     stopping: bool = field(default=False, repr=False)  # stop() was called: start() gives up
@@ -62,12 +66,16 @@ class ServerProcess:
         """Starts the server in a session of its own, with a watchdog that stops that session if
         this process dies; waits for /health, logging progress. On failure nothing is left running.
         stop() from another thread ends the wait (the server is stopped, EngineStartError raised)."""
+        if self.check_port and not port_free(self.host, self.port):
+            raise EngineStartError(f"{self.name} ({self.url}) cannot start: port {self.port} is in use; "
+                                   f"log: {self.log_path}")
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.env}
         with self._lock:
             if self.closed:
                 raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
             self.stopping = False
             with open(self.log_path, "ab") as out:
+                log_start = out.tell()  # a restart appends: only this start's lines count
                 self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env,
                                              start_new_session=True)
             self.watchdog = subprocess.Popen(
@@ -85,6 +93,10 @@ class ServerProcess:
                 self.stop()
                 raise EngineStartError(f"{self.name} ({self.url}) exited with {code} before it was ready: "
                                        f"{failure_reason(self.log_path)}; log: {self.log_path}")
+            fatal = fatal_line(self.log_path, log_start)
+            if fatal is not None:
+                self.stop()
+                raise EngineStartError(f"{self.name} ({self.url}) failed to start: {fatal}; log: {self.log_path}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
                     log.info("%s ready at %s after %.0f s", self.name, self.url, waited)
@@ -168,6 +180,32 @@ def group_alive(pgid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def port_free(host: str, port: int) -> bool:
+    import socket
+
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def fatal_line(path: Path, since: int = 0) -> str | None:
+    """The first FATAL_LOG_LINES line written after byte `since`, if any."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(since)
+            text = f.read().decode(errors="replace")
+    except OSError:
+        return None
+    for line in text.splitlines():
+        if any(pattern in line for pattern in FATAL_LOG_LINES):
+            return line.strip()[:300]
+    return None
 
 
 def last_line(path: Path) -> str:
