@@ -59,6 +59,15 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
     logging.getLogger("megatron_rlvr").setLevel(cfg.logging.level)  # ours; libraries stay quiet
 
+    from megatron_rlvr.data.check import check_inputs
+    from megatron_rlvr.errors import UserError
+
+    try:
+        check_inputs(cfg)  # data files, rows, verifier functions, sandbox: before Ray or a model starts
+    except UserError as err:
+        print(f"megatron-rlvr train: {err}", file=sys.stderr)
+        return err.exit_code
+
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
     from megatron_rlvr.launch.cluster import ClusterError
     from megatron_rlvr.rollout.launcher import EngineStartError

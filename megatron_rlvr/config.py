@@ -11,37 +11,20 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, Field, ValidationError, model_validator
+
+from megatron_rlvr.config_base import ConfigError, PositiveInt, Section, raise_problems as _raise
+from megatron_rlvr.config_data import ArithmeticData, ArithmeticSource, EvalConfig, FileData, FileSource, VerifierConfig
+# the rest of the data, verifier and eval sections, so that the whole tree imports from here
+from megatron_rlvr.config_data import BUILTIN_VERIFIERS, DATA_FORMATS, CodeVerifierConfig, PromptFormat  # noqa: F401
 
 # HF `model_type`s the learner's architecture registry can build. Kept here (not imported
 # from learner/) so that validating a config never imports Megatron.
 SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
-
-
-class ConfigError(ValueError):
-    """A config that cannot run; `problems` holds one line per problem."""
-
-    def __init__(self, problems: list[str]):
-        self.problems = problems
-        super().__init__("\n".join(problems))
-
-    def report(self) -> int:
-        """Prints one `config error:` line per problem on stderr; returns the exit code, 2."""
-        for line in self.problems:
-            print(f"config error: {line}", file=sys.stderr)
-        return 2
-
-
-class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-PositiveInt = Annotated[int, Field(ge=1)]
 
 
 # ----------------------------------------------------------------------------- model
@@ -64,6 +47,10 @@ class TinyModel(Section):
         None, description="None: the tokenizer's size (set when the tokenizer is built)"
     )
     init_seed: int = Field(1234, description="seed of the random initialisation")
+    tokenizer_chars: str = Field(
+        "0123456789+*-=. ", min_length=1, description="characters of the character-level tokenizer made "
+        "with the model (one token each; role tokens and <bos>/<eos>/<pad>/<unk> are added)",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> TinyModel:
@@ -337,32 +324,6 @@ class WeightSyncConfig(Section):
 PARITY_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.5}
 
 
-# ----------------------------------------------------------------------------- verifier
-class VerifierConfig(Section):
-    kind: Literal["math"] = "math"
-    timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="hard limit per answer")
-    num_workers: PositiveInt = Field(2, description="sandboxed verifier processes")
-
-
-# ----------------------------------------------------------------------------- data
-class ArithmeticData(Section):
-    """The built-in tiny task: small sums and products with integer answers."""
-
-    type: Literal["arithmetic"] = "arithmetic"
-    num_prompts: PositiveInt = 512
-    max_operand: PositiveInt = 9
-    seed: int = 0
-
-
-class FileData(Section):
-    """Prompts from JSONL or Parquet with prompt, answer and verifier columns."""
-
-    type: Literal["file"] = "file"
-    path: str
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-
-
 class TrainerConfig(Section):
     output_dir: str = Field("runs/tiny-moe-cpu", description="checkpoints, logs, metrics")
     steps: PositiveInt = 20
@@ -386,10 +347,24 @@ class TrainerConfig(Section):
     )
 
 
+class WandbConfig(Section):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (pip install -e '.[wandb]')."""
+
+    project: str = Field(description="W&B project")
+    entity: str | None = Field(None, description="team or user; None: your default")
+    name: str | None = Field(None, description="run name; None: trainer.output_dir's folder name")
+    group: str | None = None
+    tags: list[str] = Field(default_factory=list)
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: written under output_dir/wandb, synced later with `wandb sync`"
+    )
+
+
 class LoggingConfig(Section):
     level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = "INFO"
     interval: PositiveInt = Field(1, description="steps between metric lines")
     tensorboard: bool = True
+    wandb: WandbConfig | None = Field(None, description="None: no Weights & Biases")
 
 
 class LaunchConfig(Section):
@@ -415,15 +390,16 @@ class Config(Section):
     data: Annotated[ArithmeticData | FileData, Field(discriminator="type")] = Field(
         default_factory=ArithmeticData
     )
+    eval: EvalConfig = Field(default_factory=EvalConfig)
     trainer: TrainerConfig = Field(default_factory=TrainerConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
 
 # ----------------------------------------------------------------------------- checks
-def _raise(problems: list[str]) -> None:
-    if problems:
-        raise ConfigError(problems)
+def data_sources(cfg: Config) -> list[tuple[str, ArithmeticSource | FileSource]]:
+    """(dotted name, source) of the training data and of every eval set."""
+    return [("data", cfg.data), *((f"eval.sets.{name}", s) for name, s in cfg.eval.sets.items())]
 
 
 def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False) -> list[str]:
@@ -483,6 +459,9 @@ def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False
             f"launch.mode = local: runs one learner rank, but tp·pp·dp = {p.tp}·{p.pp}·{p.dp} "
             "(use launch.mode = ray for multi-rank layouts)"
         )
+    for where, source in data_sources(cfg):
+        if isinstance(source, FileSource):
+            problems.extend(source.problems(where))
     if cfg.trainer.min_lr > cfg.trainer.lr:
         problems.append(
             f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})"
@@ -596,6 +575,9 @@ def resolve(cfg: Config) -> Config:
     if sync.parity_tolerance == "auto":
         dtypes = {engine.dtype, cfg.trainer.dtype}
         sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)
+    for _, source in data_sources(cfg):
+        if isinstance(source, FileSource):
+            source.fill_keys()
     _raise(_cross_field_problems(cfg, model_dims(cfg.model), dp_derived))
     return cfg
 
@@ -635,9 +617,10 @@ def apply_overrides(raw: dict, overrides: list[str]) -> dict:
     """Sets each dotted key in the raw config dict, creating sections as needed. Setting a
     section's `type` to another kind starts that section afresh (`data.type=file
     data.path=x.jsonl` over a YAML with arithmetic data): the old kind's fields would not
-    belong to the new one."""
-    for text in overrides:
-        path, value = parse_override(text)
+    belong to the new one. Kinds are set first, so the order of the overrides does not matter."""
+    parsed = [(text, *parse_override(text)) for text in overrides]
+    parsed.sort(key=lambda item: item[1][-1] != "type")  # stable: kinds first, then the rest in order
+    for text, path, value in parsed:
         node = raw
         for depth, part in enumerate(path[:-1]):
             child = node.setdefault(part, {})

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rlvr.config import Config, HFModel, TinyModel
-from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
+from megatron_rlvr.data import build_arithmetic_tokenizer
 from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
@@ -47,7 +47,7 @@ def prepare_model(cfg: Config) -> tuple[Path, object]:
     if not (model_dir / "config.json").exists():
         from megatron_rlvr.tiny_model import build_tiny_hf_model
 
-        tokenizer = build_arithmetic_tokenizer(model_dir)
+        tokenizer = build_arithmetic_tokenizer(model_dir, cfg.model.tokenizer_chars)
         spec: TinyModel = cfg.model
         build_tiny_hf_model(spec, model_dir, vocab_size=spec.vocab_size or len(tokenizer), tokenizer=tokenizer)
     return model_dir, AutoTokenizer.from_pretrained(model_dir)
@@ -97,6 +97,8 @@ class Run:
     buffer: object = None
     verifiers: object = None
     sampler: object = None
+    evaluator: object = None  # evaluation.Evaluator when eval.sets are given
+    data_stats: dict = field(default_factory=dict)  # data/* counts, logged once
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
     trained_groups: int = 0  # groups the learner has trained on, over the whole run
@@ -137,6 +139,12 @@ class Run:
         fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version,
                                  drain=not self.cfg.buffer.async_rollout)
         self.pending = self.rollout.submit(fill)
+
+    def evaluate(self, step: int) -> dict:
+        """Eval metrics when evaluation is due after `step` (0: before training), else {}."""
+        if self.evaluator is None or not self.evaluator.due(step):
+            return {}
+        return self.stop.result(self.rollout.submit(self.evaluator.evaluate()), f"the evaluation after step {step}")
 
     def sync_weights(self) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
@@ -270,6 +278,7 @@ def _run_temp_dir():
 
 def _start(run: Run, remote: bool) -> None:
     from megatron_rlvr.buffer.buffer import Buffer
+    from megatron_rlvr.evaluation import build_evaluator
     from megatron_rlvr.launch.cluster import AsyncActor
     from megatron_rlvr.launch.engines import EngineFleet
     from megatron_rlvr.launch.learners import LearnerGroup
@@ -282,6 +291,7 @@ def _start(run: Run, remote: bool) -> None:
     from megatron_rlvr.rollout.sampler import ActiveSampler
 
     cfg, tokenizer = run.cfg, run.tokenizer
+    loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
     run.engines = EngineFleet(cfg, run.model_dir, remote=remote)
     urls = run.engines.start(run.stop)
     run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, remote=remote, stop=run.stop)
@@ -305,22 +315,33 @@ def _start(run: Run, remote: bool) -> None:
     else:
         run.buffer = Buffer(**buffer_args)
     run.verifiers = VerifierPool(cfg, remote=remote)
-    data = load_data(cfg.data)
-    for number, reason in data.skipped:
-        log.warning("data line %d skipped: %s", number, reason)
-    bos = [tokenizer.bos_token_id] if tokenizer.bos_token_id is not None else []
     skip = cfg.buffer.skip_prompts
     history = PromptHistory(enabled=skip.enabled, explore_solved=skip.explore_solved,
                             explore_unsolved=skip.explore_unsolved, max_skip_probability=skip.max_probability,
                             seed=cfg.trainer.seed)
     # the fewest useful groups a short batch may have: one real sample per mini-batch and rank
     min_groups = math.ceil(cfg.algo.num_minibatches * cfg.parallel.dp / cfg.rollout.n_samples_per_prompt)
+    decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     run.sampler = ActiveSampler(
-        run.manager, run.buffer, data.records, score=run.verifiers, seed=cfg.trainer.seed,
+        run.manager, run.buffer, train.records, score=run.verifiers, seed=cfg.trainer.seed,
         seeded=bool(cfg.rollout.seeded_sampling), history=history,
         max_groups=cfg.buffer.max_generated_groups_per_step, min_groups=min_groups,
-        encode=lambda text: bos + tokenizer.encode(text, add_special_tokens=False),
-        decode=lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+        encode=train.encode, decode=decode)
+    run.evaluator = build_evaluator(cfg, renderer, run.manager, run.verifiers, decode, sampling.stop_token_ids, loaded)
+
+
+def _prompts(run: Run) -> tuple:
+    """Every data file read and checked, and the prompts rendered into token ids (chat
+    template, length limit): (loaded per source, renderer, training prompts)."""
+    from megatron_rlvr.data import PromptRenderer
+    from megatron_rlvr.data.check import load_all
+
+    loaded = load_all(run.cfg, report=False)  # the command's input check reported the skipped rows
+    renderer = PromptRenderer(run.tokenizer, run.cfg.data)
+    train = renderer.encode(loaded["data"].records)
+    run.data_stats = {"data/prompts": len(train.ids), "data/too_long": train.too_long,
+                      "data/skipped_rows": sum(len(part.skipped) for part in loaded.values())}
+    return loaded, renderer, train
 
 
 def _teardown(run: Run) -> None:

@@ -36,8 +36,10 @@ def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
     steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout
     with open_run(cfg, stop) as run:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
-        report = RunReport(cfg.trainer.output_dir, steps, first_step=first, tensorboard=cfg.logging.tensorboard)
+        report = RunReport.for_run(cfg, first_step=first, once=run.data_stats)
         try:
+            if first == 1:
+                report.log_eval(0, run.evaluate(0))  # the initial policy, before any rollout
             if first <= steps and run.pending is None:  # a resumed async run may have its next batch
                 run.request_batch(run.version)
             for step in range(first, steps + 1):
@@ -57,6 +59,7 @@ def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
                 sync_metrics = run.sync_weights()
                 metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
                                        len(groups))
+                metrics.update(run.evaluate(step))  # {} unless evaluation is due
                 report.log(metrics)
                 outcome.history.append(metrics)
                 run.finish_step(step, save=step == steps or (cfg.trainer.save_interval > 0
@@ -96,7 +99,7 @@ def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float,
         **sampling,
         "rollout/moved_groups": engines.get("moved", 0),
         "rollout/engines_serving": run.manager.serving, "rollout/engine_kind": run.cfg.rollout.engine.type,
-        **{f"verifier/{reason}": n for reason, n in sorted(run.verifiers.take_reasons().items())},
+        **run.verifiers.take_metrics(),
         "time/step_s": seconds,
         "policy_version": run.version,
         **{f"train/{k}": v for k, v in learner.items()},

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_rlvr import run_dir
-from megatron_rlvr.config import Config, ConfigError, FileData, HFModel, SglangEngine, load_config
+from megatron_rlvr.config import Config, ConfigError, HFModel, SglangEngine, data_sources, load_config
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -111,8 +111,10 @@ def check_inputs_present(cfg: Config) -> None:
         raise SubmitError(
             f"model.path = {cfg.model.path!r}: no *.safetensors there (only a config.json to check "
             "the layout with?); point it at your checkpoint: model.path=/path/to/checkpoint")
-    if isinstance(cfg.data, FileData) and not Path(cfg.data.path).is_file():
-        raise SubmitError(f"data.path = {cfg.data.path!r}: no such file")
+    for where, source in data_sources(cfg):  # the training data and the eval sets, each maybe several files
+        missing = [path for path in getattr(source, "paths", []) if not Path(path).is_file()]
+        if missing:
+            raise SubmitError(f"{where}.path = {missing[0]!r}: no such file")
 
 
 # ----------------------------------------------------------------------------- rendering

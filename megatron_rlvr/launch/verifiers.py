@@ -1,63 +1,71 @@
-"""The verifier worker pool that scores every response: the math verifier's sandboxed
-processes under this process (local runs), or Ray actors, each with its own sandbox, that
+"""The verifier workers that score every response: a run's verifiers (math, code, the user's
+functions) under this process (local runs), or Ray actors, each with its own sandboxes, that
 take groups in turn."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import os
 import threading
-from collections import Counter
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import Config, VerifierConfig
+from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.launch.cluster import call_all
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.custom import resolve_function
+from megatron_rlvr.rewards.registry import VerdictStats, Verifiers
 
 
 class VerifierWorker:
-    def __init__(self, timeout_s: float, num_workers: int = 1):
-        self.verifier = MathVerifier(timeout_s=timeout_s, num_workers=num_workers)
+    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict], parallel: int = 1):
+        self.verifiers = Verifiers(cfg, functions, parallel)
         self._lock = threading.Lock()  # scoring runs on worker threads in local runs
-        self._reasons: Counter[str] = Counter()
+        self._stats = VerdictStats()
 
-    def rewards(self, responses: list[str], golds: list[str]) -> list[float]:
-        verdicts = self.verifier.verify_batch(responses, golds)
-        with self._lock:
-            self._reasons.update(reason for _, reason in verdicts)
+    def rewards(self, responses: list[str], record: PromptRecord, count: bool = True) -> list[float]:
+        """count=False (evaluation) leaves the training metrics alone."""
+        verdicts = self.verifiers.verify(responses, record)
+        if count:
+            with self._lock:
+                self._stats.add(record.verifier, verdicts)
         return [reward for reward, _ in verdicts]
 
-    def take_reasons(self) -> dict[str, int]:
+    def take_stats(self) -> VerdictStats:
         with self._lock:
-            reasons, self._reasons = dict(self._reasons), Counter()
-        return reasons
+            stats, self._stats = self._stats, VerdictStats()
+        return stats
 
     def close(self) -> None:
-        self.verifier.close()
+        self.verifiers.close()
 
 
 class VerifierPool:
     def __init__(self, cfg: Config, *, remote: bool):
         v = cfg.verifier
         self.remote = remote
+        functions = {name: resolve_function(spec, os.getcwd()) for name, spec in v.functions.items()}
         if remote:
             import ray
 
             actor = ray.remote(VerifierWorker).options(num_cpus=0.01)
-            self.workers = [actor.remote(v.timeout_s) for _ in range(v.num_workers)]
+            self.workers = [actor.remote(v, functions) for _ in range(v.num_workers)]
         else:
-            self.workers = [VerifierWorker(v.timeout_s, v.num_workers)]
+            self.workers = [VerifierWorker(v, functions, v.num_workers)]
         self._turn = itertools.cycle(self.workers)
 
-    async def __call__(self, responses: list[str], golds: list[str]) -> list[float]:
+    async def __call__(self, responses: list[str], record: PromptRecord, *, count: bool = True) -> list[float]:
         worker = next(self._turn)
         if self.remote:
-            return await worker.rewards.remote(responses, golds)
-        return await asyncio.to_thread(worker.rewards, responses, golds)
+            return await worker.rewards.remote(responses, record, count)
+        return await asyncio.to_thread(worker.rewards, responses, record, count)
 
-    def take_reasons(self) -> dict[str, int]:
-        """Verdicts of each kind (numeric_equal, timeout, parse_error, ...) since the last call."""
-        per_worker = call_all(self.workers, "take_reasons", remote=self.remote)
-        return dict(sum((Counter(c) for c in per_worker), Counter()))
+    def take_metrics(self) -> dict[str, float]:
+        """`verifier/<reason>` counts (numeric_equal, timeout, wrong_answer, ...) and, per
+        verifier, `verifier/<name>/samples`, `/reward_mean` and `/<reason>`, since the last call."""
+        stats = VerdictStats()
+        for part in call_all(self.workers, "take_stats", remote=self.remote):
+            stats.merge(part)
+        return stats.metrics()
 
     def close(self) -> None:
         if not self.remote:

@@ -1,5 +1,7 @@
-"""Verifiers that turn a response into a reward, behind one registry keyed by the config's
-`verifier.kind`. Each entry is a batch function (responses, golds, timeout_s) → verdicts."""
+"""Verifiers that turn a response into a reward. Each record names its verifier: `math`
+(sympy in sandboxed workers), `code` (Python run against the record's tests in the sandbox) or
+one of the user's functions (verifier.functions); `registry.Verifiers` dispatches to them.
+VERIFIERS holds the built-in batch functions, (responses, golds, timeout_s) → verdicts."""
 
 from megatron_rlvr.rewards.math import verify_math_batch
 

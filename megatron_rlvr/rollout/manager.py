@@ -82,10 +82,13 @@ class RolloutManager:
         """Engines taking work: not restarting, and not waiting for the run's weights."""
         return len(self.clients) - len(self._restarting | self.restarted)
 
-    def submit(self, item: PromptItem, n: int | None = None) -> str:
-        """Starts generating n samples of one prompt; the group arrives on `finished`."""
+    def submit(self, item: PromptItem, n: int | None = None, *, sampling: p.SamplingParams | None = None,
+               to: asyncio.Queue | None = None) -> str:
+        """Starts generating n samples of one prompt; the group arrives on `finished`, or on
+        `to` (evaluation: its own sampling, its own queue)."""
         group_id = uuid.uuid4().hex
-        task = asyncio.create_task(self._run_group(item, group_id, n or self.sampling.n))
+        task = asyncio.create_task(self._run_group(item, group_id, n or (sampling or self.sampling).n,
+                                                   sampling or self.sampling, to or self.finished))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return group_id
@@ -131,10 +134,11 @@ class RolloutManager:
             log.error("group %s: no engine served again within %.0f s", group_id, self.serving_wait_s)
         return engine
 
-    async def _run_group(self, item: PromptItem, group_id: str, n: int) -> None:
+    async def _run_group(self, item: PromptItem, group_id: str, n: int, sampling: p.SamplingParams,
+                         finished: asyncio.Queue) -> None:
         request = p.GenerateReqInput(
             input_ids=item.input_ids, rid=group_id, return_logprob=True,
-            sampling_params=self.sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
+            sampling_params=sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
             return_routed_experts=self.routing is not None,
         )
         failures, engine, error = 0, self._pick(), "no engine available"
@@ -154,11 +158,11 @@ class RolloutManager:
                 error = str(err)
                 break
             self.stats["aborted"] += group.aborted
-            await self.finished.put(group)
+            await finished.put(group)
             return
         self.stats["failed"] += 1
         log.error("group %s failed: %s", group_id, error)
-        await self.finished.put(Group(item.prompt_id, group_id, [], item.answer, error=error))
+        await finished.put(Group(item.prompt_id, group_id, [], item.answer, error=error))
 
     async def _after_connection_failure(self, engine: int, group_id: str, err: Exception) -> int | None:
         """Where a group goes after its request to `engine` failed at the connection level:

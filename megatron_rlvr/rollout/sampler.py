@@ -34,12 +34,12 @@ class NothingToLearn(RuntimeError):
     """A step's generation bound was spent without the useful groups one batch needs."""
 
 
-Score = Callable[[list[str], list[str]], Awaitable[list[float]]]  # responses, golds → rewards
+Score = Callable[[list[str], PromptRecord], Awaitable[list[float]]]  # responses, their record → rewards
 
 
 class ActiveSampler:
     def __init__(self, manager: RolloutManager, buffer, prompts: list[PromptRecord], *,
-                 encode: Callable[[str], list[int]], decode: Callable[[list[int]], str],
+                 encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int]], str],
                  score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256,
                  max_failed_in_a_row: int = 64, max_groups: int = 2**31, min_groups: int = 1,
                  history: PromptHistory | None = None):
@@ -48,6 +48,7 @@ class ActiveSampler:
         (short) batch may have. history: each prompt's recent outcomes, and which to skip."""
         self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
+        self._by_id = {r.prompt_id: r for r in prompts}  # a finished group's record, for its verifier
         self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
         self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
         self.max_groups, self.min_groups = max_groups, min_groups
@@ -93,7 +94,7 @@ class ActiveSampler:
             record = self._next_prompt()
             seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
             self._pending.append(self.manager.submit(
-                PromptItem(record.prompt_id, self.encode(record.prompt), record.answer, seed=seed)))
+                PromptItem(record.prompt_id, self.encode(record), seed=seed)))
             self.submitted += 1
             self._generated += 1
 
@@ -112,7 +113,7 @@ class ActiveSampler:
         rewards: list[float] = []
         if group.samples and group.error is None:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples],
-                                       [group.answer or ""] * len(group.samples))
+                                       self._by_id[group.prompt_id])
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
@@ -171,9 +172,8 @@ class ActiveSampler:
                 "short_batches": self.short_batches, "history": self.history.state()}
 
     def load_state(self, state: dict) -> None:
-        by_id = {r.prompt_id: r for r in self.prompts}
         self._rng.setstate(state["rng"])
-        self._order = [by_id[i] for i in state["order"]]
+        self._order = [self._by_id[i] for i in state["order"]]
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
         self.submitted = state["submitted"]
         self.short_batches = state.get("short_batches", 0)

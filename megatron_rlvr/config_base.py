@@ -1,0 +1,36 @@
+"""The pieces every config section is made of (kept apart so that config.py and
+config_data.py, which together hold the one config tree, both build on them)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Annotated
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; `problems` holds one line per problem."""
+
+    def __init__(self, problems: list[str]):
+        self.problems = problems
+        super().__init__("\n".join(problems))
+
+    def report(self) -> int:
+        """Prints one `config error:` line per problem on stderr; returns the exit code, 2."""
+        for line in self.problems:
+            print(f"config error: {line}", file=sys.stderr)
+        return 2
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+def raise_problems(problems: list[str]) -> None:
+    """Validators only raise: every problem found, one line each, in one ConfigError."""
+    if problems:
+        raise ConfigError(problems)

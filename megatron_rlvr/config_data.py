@@ -1,0 +1,206 @@
+"""The config sections for a run's data: where prompts come from and how they are read
+(data), how responses are scored (verifier) and which held-out sets are evaluated while
+training (eval). Part of the one config tree in config.py, which re-exports every name here."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from megatron_rlvr.config_base import PositiveInt, Section, raise_problems as _raise
+
+
+# ----------------------------------------------------------------------------- verifier
+# Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in
+# verifier.functions add their own names.
+BUILTIN_VERIFIERS = ("math", "code")
+
+
+class CodeVerifierConfig(Section):
+    """Python solutions run against the record's tests in the sandbox (no network, no child
+    processes, writes only in a temporary directory)."""
+
+    reward: Literal["all_pass", "fraction"] = Field(
+        "all_pass", description="all_pass: 1 when every test passes, else 0; fraction: tests passed / tests"
+    )
+    max_output_kb: PositiveInt = Field(1024, description="stdout one test may write (more: a 0, output_limit)")
+
+
+class VerifierConfig(Section):
+    kind: str = Field(
+        "math", description="the verifier of records that name none and whose data_source is not in "
+        "by_data_source: math, code, or a name in verifier.functions",
+    )
+    by_data_source: dict[str, str] = Field(
+        default_factory=dict, description="data_source → verifier (e.g. {openai/gsm8k: math}); "
+        "wins over the record's own verifier column",
+    )
+    functions: dict[str, str] = Field(
+        default_factory=dict, description="your own verifiers: name → 'module:function' or "
+        "'path/to/file.py:function', called as function(response, record) -> float in the sandbox",
+    )
+    timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="hard wall-time limit per answer")
+    num_workers: PositiveInt = Field(2, description="sandboxed verifier processes")
+    memory_mb: PositiveInt = Field(
+        1024, description="address-space limit of one sandboxed code test or function call, MiB"
+    )
+    code: CodeVerifierConfig = Field(default_factory=CodeVerifierConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> VerifierConfig:
+        problems = []
+        for name, spec in self.functions.items():
+            if name in BUILTIN_VERIFIERS:
+                problems.append(f"verifier.functions.{name}: {name!r} is a built-in verifier (pick another name)")
+            module, sep, function = spec.rpartition(":")
+            if not sep or not module or not function.isidentifier():
+                problems.append(f"verifier.functions.{name} = {spec!r}: expected 'module:function' or "
+                                "'path/to/file.py:function'")
+        names = (*BUILTIN_VERIFIERS, *self.functions)
+        allowed = f"(known: {', '.join(names)})"
+        if self.kind not in names:
+            problems.append(f"verifier.kind = {self.kind!r}: unknown verifier {allowed}")
+        for source, name in self.by_data_source.items():
+            if name not in names:
+                problems.append(f"verifier.by_data_source.{source} = {name!r}: unknown verifier {allowed}")
+        _raise(problems)
+        return self
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every verifier a record may name."""
+        return (*BUILTIN_VERIFIERS, *self.functions)
+
+
+# ----------------------------------------------------------------------------- data
+class ArithmeticSource(Section):
+    """The built-in tiny task: small sums and products with integer answers."""
+
+    type: Literal["arithmetic"] = "arithmetic"
+    num_prompts: PositiveInt = 512
+    max_operand: PositiveInt = 9
+    seed: int = 0
+
+
+# Where each field of a record is found, per data.format (dotted paths into a row).
+DATA_FORMATS = {
+    "plain": {"prompt_key": "prompt", "answer_key": "answer", "verifier_key": "verifier",
+              "data_source_key": "data_source", "id_key": "id", "extra_key": "extra_info"},
+    "verl": {"prompt_key": "prompt", "answer_key": "reward_model.ground_truth", "verifier_key": "ability",
+             "data_source_key": "data_source", "id_key": "extra_info.index", "extra_key": "extra_info"},
+}
+
+
+class FileSource(Section):
+    """Prompts from JSONL or Parquet files. A prompt is a string or a list of {role, content}
+    messages; keys are dotted paths into a row (reward_model.ground_truth)."""
+
+    type: Literal["file"] = "file"
+    path: str | list[str] = Field(description="a .jsonl or .parquet file, or a list of them")
+    weights: list[float] | None = Field(
+        None, description="mixing weight per file (the share of prompts drawn from it); None: "
+        "every row once",
+    )
+    format: Literal["plain", "verl"] = Field(
+        "plain", description="key names: plain (prompt, answer, verifier, data_source, id, extra_info) or "
+        "verl (prompt, reward_model.ground_truth, ability, data_source, extra_info.index, extra_info)",
+    )
+    prompt_key: str | None = Field(None, description="None: per format")
+    answer_key: str | None = Field(None, description="the ground truth (tests for code); None: per format")
+    verifier_key: str | None = Field(None, description="names the record's verifier; None: per format")
+    data_source_key: str | None = Field(None, description="None: per format")
+    id_key: str | None = Field(None, description="None: per format (missing: the row number)")
+    extra_key: str | None = Field(None, description="extra info given to custom verifiers; None: per format")
+    seed: int = Field(0, description="seed of the mixing draw")
+
+    @property
+    def paths(self) -> list[str]:
+        return [self.path] if isinstance(self.path, str) else list(self.path)
+
+    def problems(self, where: str) -> list[str]:
+        """Checks of one source; `where` is its dotted name (data, eval.sets.NAME)."""
+        problems = [] if self.paths else [f"{where}.path = []: give at least one file"]
+        if self.weights is not None:
+            if len(self.weights) != len(self.paths):
+                problems.append(f"{where}.weights = {self.weights}: one weight per file in {where}.path "
+                                f"({len(self.paths)})")
+            elif any(w <= 0 for w in self.weights):
+                problems.append(f"{where}.weights = {self.weights}: every weight must be > 0")
+        return problems
+
+    def fill_keys(self) -> None:
+        """The keys left None take data.format's names."""
+        for key, name in DATA_FORMATS[self.format].items():
+            if getattr(self, key) is None:
+                setattr(self, key, name)
+
+
+DataSource = Annotated[ArithmeticSource | FileSource, Field(discriminator="type")]
+
+
+class PromptFormat(Section):
+    """How records become the prompt the engines see; the same for training and eval sets."""
+
+    system_prompt: str | None = Field(None, description="a system message for records that have none")
+    instruction: str | None = Field(
+        None, description="appended (after a space) to the last user message, e.g. 'Put the final answer "
+        "within \\boxed{}.'",
+    )
+    apply_chat_template: bool | None = Field(
+        None, description="render with the tokenizer's chat template (add_generation_prompt); None: when "
+        "there is one (or data.chat_template); false: the prompt text itself after <bos>",
+    )
+    chat_template: str | None = Field(
+        None, description="a Jinja chat template, or a path to a .jinja file, instead of the tokenizer's"
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="extra template arguments, e.g. {enable_thinking: false}"
+    )
+    max_prompt_tokens: PositiveInt | None = Field(
+        None, description="longer prompts are dropped (counted, reported once); None: no limit"
+    )
+    skip_bad_rows: bool = Field(
+        False, description="false: a bad row stops the run before it starts, naming file:line; true: bad "
+        "rows are skipped, counted and logged",
+    )
+
+
+class ArithmeticData(PromptFormat, ArithmeticSource):
+    """The built-in arithmetic task as training data."""
+
+
+class FileData(PromptFormat, FileSource):
+    """Prompt files as training data."""
+
+
+# ----------------------------------------------------------------------------- eval
+class EvalConfig(Section):
+    """Held-out sets scored while training: pass@1, pass@k, avg@n, response length and
+    truncation, at step 0, every `interval` steps and at the end. Prompts are formatted as
+    data's; evaluation never touches the training data's order."""
+
+    sets: dict[str, DataSource] = Field(
+        default_factory=dict, description="name → source (type: file or arithmetic); empty: no evaluation"
+    )
+    interval: int = Field(0, ge=0, description="steps between evaluations; 0: at step 0 and the end only")
+    at_start: bool = Field(True, description="evaluate the initial policy (step 0) of a fresh run")
+    n_samples: PositiveInt = Field(1, description="samples per prompt (n of pass@k and avg@n)")
+    temperature: float = Field(0.0, ge=0.0, description="0: greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_new_tokens: PositiveInt | None = Field(None, description="None: rollout.max_new_tokens")
+    pass_k: list[PositiveInt] | None = Field(
+        None, description="k values of pass@k (each <= n_samples); None: 1 and n_samples"
+    )
+    max_prompts: PositiveInt | None = Field(None, description="the first N prompts of each set; None: all")
+    seed: int = Field(0, description="sampling seeds of eval prompts (the same at every evaluation)")
+
+    @model_validator(mode="after")
+    def _check(self) -> EvalConfig:
+        bad = [k for k in self.pass_k or [] if k > self.n_samples]
+        if bad:
+            _raise([f"eval.pass_k = {self.pass_k}: k must be <= eval.n_samples ({self.n_samples})"])
+        bad_names = [n for n in self.sets if not n or "/" in n]
+        if bad_names:
+            _raise([f"eval.sets.{bad_names[0]}: a set name must be non-empty and without '/'"])
+        return self

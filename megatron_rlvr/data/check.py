@@ -1,0 +1,64 @@
+"""Inputs checked in the config stage, before Ray or a model starts (a few seconds at most
+for ordinary sizes): every data file of the run (training data and eval sets) is read and
+every row checked; the user functions it names are found; the sandbox is probed when code or
+functions are to run; the wandb package is there when logging.wandb asks for it."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from megatron_rlvr.config import DATA_FORMATS, ArithmeticSource, Config, FileSource, VerifierConfig, data_sources
+from megatron_rlvr.data.arithmetic import arithmetic_prompts
+from megatron_rlvr.data.files import load_source
+from megatron_rlvr.data.records import LoadedPrompts
+
+log = logging.getLogger(__name__)
+
+
+def load_data(source: ArithmeticSource | FileSource, verifiers: VerifierConfig, *, where: str = "data",
+              skip_bad_rows: bool = False) -> LoadedPrompts:
+    """The records of one source; `where` is its dotted config name (data, eval.sets.NAME)."""
+    if isinstance(source, ArithmeticSource):
+        return arithmetic_prompts(source)
+    if any(getattr(source, key) is None for key in DATA_FORMATS[source.format]):  # not resolved yet
+        source = source.model_copy()
+        source.fill_keys()
+    return load_source(source, verifiers, where=where, skip_bad_rows=skip_bad_rows)
+
+
+def load_all(cfg: Config, *, report: bool = True) -> dict[str, LoadedPrompts]:
+    """dotted name → records, for the training data and every eval set. With `report`,
+    skipped rows are logged: one warning per source with the count and the first."""
+    loaded = {}
+    for where, source in data_sources(cfg):
+        loaded[where] = load_data(source, cfg.verifier, where=where, skip_bad_rows=cfg.data.skip_bad_rows)
+        skipped = loaded[where].skipped
+        if skipped and report:
+            log.warning("%s: %d bad rows skipped (data.skip_bad_rows), the first: %s: %s", where, len(skipped),
+                        *skipped[0])
+            for at, reason in skipped[1:]:
+                log.debug("skipped %s: %s", at, reason)
+    return loaded
+
+
+def check_inputs(cfg: Config) -> dict[str, LoadedPrompts]:
+    """Raises a UserError (one line) for a missing, empty or unreadable data file, a bad row
+    (file:line, unless data.skip_bad_rows), a verifier function that is not there, a sandbox
+    this machine cannot give, or a missing wandb. Returns what load_all read."""
+    from megatron_rlvr.rewards.custom import check_function, resolve_function
+
+    loaded = load_all(cfg)
+    used = {r.verifier for prompts in loaded.values() for r in prompts.records}
+    for name in sorted(used & set(cfg.verifier.functions)):
+        check_function(name, resolve_function(cfg.verifier.functions[name], os.getcwd()))
+    if used - {"math"}:
+        from megatron_rlvr.rewards.isolation import check_available
+
+        check_available()
+    if cfg.logging.wandb is not None:
+        from megatron_rlvr.reporting import wandb_module
+
+        wandb_module(check_only=True)
+    return loaded
+

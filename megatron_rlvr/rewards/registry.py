@@ -1,0 +1,67 @@
+"""Every verifier of a run behind one call: a group's responses go to the verifier its record
+names (math, code, or one of the user's functions), with reasoning stripped first."""
+
+from __future__ import annotations
+
+from collections import Counter, defaultdict
+
+from megatron_rlvr.config import VerifierConfig
+from megatron_rlvr.data.records import PromptRecord
+from megatron_rlvr.rewards.code import CodeVerifier
+from megatron_rlvr.rewards.custom import FunctionVerifier
+from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.reasoning import strip_reasoning
+
+Verdict = tuple[float, str]
+
+
+class Verifiers:
+    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict], parallel: int = 1):
+        """functions: verifier.functions resolved by custom.resolve_function; parallel: sandbox
+        processes each verifier may run at once."""
+        self.math = MathVerifier(timeout_s=cfg.timeout_s, num_workers=parallel)
+        self.code = CodeVerifier(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
+                                 max_output_kb=cfg.code.max_output_kb, reward=cfg.code.reward, parallel=parallel)
+        self.functions = {name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
+                                                 parallel=parallel) for name, spec in functions.items()}
+
+    def verify(self, responses: list[str], record: PromptRecord) -> list[Verdict]:
+        """(reward, reason) per response to `record`."""
+        if record.verifier == "math":
+            return self.math.verify_batch([strip_reasoning(r) for r in responses], [str(record.answer)] * len(responses))
+        if record.verifier == "code":
+            return self.code.verify_batch(responses, record.answer)  # extract_code strips reasoning
+        return self.functions[record.verifier].verify_batch(responses, record.to_dict())
+
+    def close(self) -> None:
+        self.math.close()
+
+
+class VerdictStats:
+    """Reason counts overall (`verifier/<reason>`) and per verifier (`verifier/<name>/<reason>`,
+    `verifier/<name>/reward_mean`, `verifier/<name>/samples`) since the last take."""
+
+    def __init__(self):
+        self.reasons: Counter[str] = Counter()
+        self.by_verifier: dict[str, Counter[str]] = defaultdict(Counter)
+        self.reward_sum: Counter[str] = Counter()
+
+    def add(self, verifier: str, verdicts: list[Verdict]) -> None:
+        self.reasons.update(reason for _, reason in verdicts)
+        self.by_verifier[verifier].update(reason for _, reason in verdicts)
+        self.reward_sum[verifier] += sum(reward for reward, _ in verdicts)
+
+    def merge(self, other: VerdictStats) -> None:
+        self.reasons.update(other.reasons)
+        for name, counts in other.by_verifier.items():
+            self.by_verifier[name].update(counts)
+        self.reward_sum.update(other.reward_sum)
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {f"verifier/{reason}": n for reason, n in sorted(self.reasons.items())}
+        for name, counts in sorted(self.by_verifier.items()):
+            samples = sum(counts.values())
+            out[f"verifier/{name}/samples"] = samples
+            out[f"verifier/{name}/reward_mean"] = self.reward_sum[name] / samples
+            out.update({f"verifier/{name}/{reason}": n for reason, n in sorted(counts.items())})
+        return out

@@ -1,0 +1,297 @@
+"""Runs model-written code and users' verifier functions in the sandbox, one batch of jobs per
+supervisor process.
+
+The parent side (`run_jobs`) starts `python -m megatron_rlvr.rewards.runner` in a fresh
+temporary directory and session, sends it the jobs, and kills the whole session if it
+outlives its budget; the directory is removed afterwards. The supervisor confines itself
+(isolation: capabilities dropped, writes only under that directory) and runs every test or
+function call in a forked child that adds the seccomp filter and rlimits, with a wall-time
+deadline. A child can start no process, so killing it leaves nothing behind.
+
+The supervisor never sees expected outputs: stdin/stdout tests and function-call tests send
+back what the code printed or returned, and the parent judges it. Assert-style tests judge
+themselves in the child; their verdict carries a per-child nonce, so code that exits early
+(os._exit(0)) or writes to the verdict pipe cannot pass for a test that ran.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import secrets
+import select
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpreter start, imports)
+
+
+# ============================================================================ parent side
+def run_jobs(jobs: list[dict], *, wall_s: float, memory_mb: int, output_bytes: int, parallel: int,
+             function: dict | None = None) -> list[dict]:
+    """One result per job, in order: {"tests": [per-test outcome]} for code jobs, {"outcome"}
+    for function calls. `parallel` supervisors share the jobs."""
+    if not jobs:
+        return []
+    chunks = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
+    results: list[dict | None] = [None] * len(jobs)
+    settings = {"wall_s": wall_s, "memory_mb": memory_mb, "output_bytes": output_bytes, "function": function}
+    with ThreadPoolExecutor(len(chunks)) as pool:
+        for chunk, answers in zip(chunks, pool.map(lambda c: _supervise([jobs[i] for i in c], settings), chunks)):
+            for index, answer in zip(chunk, answers):
+                results[index] = answer
+    return results  # type: ignore[return-value]
+
+
+def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
+    workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
+    budget = len(jobs) * (settings["wall_s"] + 1.0) + STARTUP_S
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
+    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
+    env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
+    proc = subprocess.Popen([sys.executable, "-B", "-m", "megatron_rlvr.rewards.runner"], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
+                            start_new_session=True)
+    try:
+        out, err = proc.communicate(json.dumps({**settings, "workdir": workdir, "jobs": jobs}).encode(),
+                                    timeout=budget)
+        missing = {"reason": "sandbox_error", "detail": err.decode(errors="replace").strip()[-300:]}
+    except subprocess.TimeoutExpired:
+        _kill_session(proc)
+        out, _ = proc.communicate()
+        missing = {"reason": "timeout", "detail": f"the supervisor outlived its {budget:.0f} s budget"}
+    finally:
+        if proc.poll() is None:
+            _kill_session(proc)
+            proc.communicate()
+        shutil.rmtree(workdir, ignore_errors=True)
+    answers = [json.loads(line) for line in out.decode().splitlines() if line.startswith("{")]
+    return answers[: len(jobs)] + [{"error": missing}] * (len(jobs) - len(answers))
+
+
+def _kill_session(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+# ============================================================================ supervisor side
+def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin_data: str = "") -> dict:
+    """Runs target() (→ a JSON-able dict) in a forked, confined child with a wall-time deadline.
+    Returns {"status": ..., "output": stdout text, ...target's dict}."""
+    from megatron_rlvr.rewards.isolation import die_with_parent, install_seccomp, limit_resources
+
+    scratch = tempfile.mkdtemp(dir=".")
+    with open(os.path.join(scratch, "stdin"), "w") as f:
+        f.write(stdin_data)
+    nonce = secrets.token_hex(16)
+    read_end, write_end = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    started = time.monotonic()
+    pid = os.fork()
+    if pid == 0:  # ------------------------------------------------------------ child
+        try:
+            os.close(read_end)
+            die_with_parent()
+            os.chdir(scratch)
+            os.dup2(os.open("stdin", os.O_RDONLY), 0)
+            os.dup2(os.open("stdout", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 1)
+            os.dup2(os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
+            os.closerange(3, write_end)
+            os.closerange(write_end + 1, 1024)
+            sys.stdin = open(0, "r", closefd=False)
+            sys.stdout = open(1, "w", closefd=False)
+            sys.stderr = open(2, "w", closefd=False)
+            limit_resources(memory_mb=memory_mb, cpu_s=int(wall_s) + 1, file_bytes=output_bytes)
+            install_seccomp()
+            verdict = target()
+            try:
+                sys.stdout.flush()
+            except OSError as err:  # what is left over the output limit
+                verdict = _error(err)
+            os.write(write_end, json.dumps({"nonce": nonce, **verdict}, default=repr).encode()[:output_bytes])
+        except MemoryError:
+            os.write(write_end, json.dumps({"nonce": nonce, "status": "memory"}).encode())
+        finally:
+            os._exit(0)
+    # ------------------------------------------------------------------------------ parent
+    os.close(write_end)
+    deadline = started + wall_s
+    received = b""
+    while (left := deadline - time.monotonic()) > 0:  # the verdict, until the child closes the pipe
+        if select.select([read_end], [], [], left)[0]:
+            chunk = os.read(read_end, 65536)
+            if not chunk:
+                break
+            received += chunk
+    os.close(read_end)
+    timed_out, status = _reap(pid, deadline)
+    output = _read(os.path.join(scratch, "stdout"), output_bytes)
+    shutil.rmtree(scratch, ignore_errors=True)
+    seconds = round(time.monotonic() - started, 3)
+    if timed_out:
+        return {"status": "timeout", "seconds": seconds}
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        reason = {signal.SIGSYS: "sandbox_violation", signal.SIGXCPU: "timeout", signal.SIGKILL: "timeout",
+                  signal.SIGXFSZ: "output_limit"}.get(sig, "crashed")
+        return {"status": reason, "detail": signal.Signals(sig).name, "seconds": seconds}
+    try:
+        verdict = json.loads(received)
+    except ValueError:
+        verdict = {}
+    if verdict.get("nonce") != nonce:
+        return {"status": "crashed", "detail": "exited without a verdict", "seconds": seconds}
+    verdict.pop("nonce")
+    return {**verdict, "output": output, "seconds": seconds}
+
+
+def _reap(pid: int, deadline: float) -> tuple[bool, int]:
+    """Waits for the child until the deadline (a child that closed its pipe may still run),
+    then kills it. Returns (killed at the deadline, wait status)."""
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False, status
+        time.sleep(0.002)
+    os.kill(pid, signal.SIGKILL)
+    return True, os.waitpid(pid, 0)[1]
+
+
+def _read(path: str, limit: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            return f.read(limit).decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _error(err: BaseException) -> dict:
+    if isinstance(err, MemoryError):
+        return {"status": "memory"}
+    if isinstance(err, AssertionError):
+        return {"status": "wrong_answer", "detail": "AssertionError"}
+    if isinstance(err, SyntaxError):
+        return {"status": "syntax_error", "detail": str(err)[:200]}
+    detail = f"{type(err).__name__}: {str(err)[:200]}"
+    if isinstance(err, PermissionError):  # Landlock refused a write outside the sandbox's directory
+        return {"status": "sandbox_violation", "detail": detail}
+    if isinstance(err, OSError) and err.errno == errno.EFBIG:  # RLIMIT_FSIZE: too much output
+        return {"status": "output_limit", "detail": detail}
+    return {"status": "runtime_error", "detail": detail}
+
+
+def _run_solution(code: str, namespace: dict) -> dict | None:
+    """Executes the solution as __main__; a verdict when it did not run to its end."""
+    try:
+        exec(compile(code, "<solution>", "exec"), namespace)
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            return {"status": "runtime_error", "detail": f"exit code {stop.code}"}
+    except BaseException as err:  # the solution's own errors are the verdict
+        return _error(err)
+    return None
+
+
+def _code_test(code: str, test: dict):
+    def target() -> dict:
+        # a script reads its input as __main__; code under test is imported, as the tests do
+        name = "__main__" if test["kind"] == "stdio" else "solution"
+        namespace: dict[str, Any] = {"__name__": name, "__builtins__": __builtins__}
+        failed = _run_solution(code, namespace)
+        if failed is not None or test["kind"] == "stdio":
+            return failed or {"status": "ran"}
+        try:
+            if test["kind"] == "assert":
+                exec(compile(test["code"], "<tests>", "exec"), namespace)
+                return {"status": "passed"}
+            function = namespace.get(test["fn"])
+            if function is None and isinstance(namespace.get("Solution"), type):
+                function = getattr(namespace["Solution"](), test["fn"], None)
+            if not callable(function):
+                return {"status": "runtime_error", "detail": f"no function {test['fn']!r}"}
+            return {"status": "returned", "value": json.loads(json.dumps(function(*test["args"]), default=repr))}
+        except BaseException as err:
+            return _error(err)
+    return target
+
+
+def _code_job(job: dict, settings: dict) -> dict:
+    deadline = time.monotonic() + settings["wall_s"]
+    outcomes = []
+    for test in job["tests"]:
+        left = deadline - time.monotonic()
+        if left <= 0.05:
+            outcomes.append({"status": "timeout"})
+            continue
+        outcome = _in_child(_code_test(job["code"], test), wall_s=left, memory_mb=settings["memory_mb"],
+                            output_bytes=settings["output_bytes"], stdin_data=test.get("input", ""))
+        outcomes.append(outcome)
+        if outcome["status"] in ("sandbox_violation", "syntax_error"):
+            break  # the same for every test
+    return {"tests": outcomes}
+
+
+def _function_job(job: dict, function, settings: dict) -> dict:
+    def target() -> dict:
+        try:
+            value = function(job["response"], job["record"])
+        except BaseException as err:
+            return _error(err)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+            return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
+        return {"status": "scored", "value": float(value)}
+    return {"outcome": _in_child(target, wall_s=settings["wall_s"], memory_mb=settings["memory_mb"],
+                                 output_bytes=settings["output_bytes"])}
+
+
+def load_function(spec: dict):
+    """spec: {"module": dotted name or file path, "function": name, "search": [dirs]}."""
+    import importlib
+    import importlib.util
+
+    sys.path[:0] = [d for d in spec.get("search", []) if d not in sys.path]
+    module_name = spec["module"]
+    if module_name.endswith(".py"):
+        loader_spec = importlib.util.spec_from_file_location("rlvr_user_verifier", module_name)
+        module = importlib.util.module_from_spec(loader_spec)
+        loader_spec.loader.exec_module(module)
+    else:
+        module = importlib.import_module(module_name)
+    return getattr(module, spec["function"])
+
+
+def _serve() -> None:
+    from megatron_rlvr.rewards.isolation import confine_writes, drop_capabilities
+
+    task = json.loads(sys.stdin.read())
+    protocol = os.fdopen(os.dup(1), "w", buffering=1)
+    sys.stdout = sys.stderr  # nothing a user's module prints can corrupt the protocol
+    function = None
+    if task.get("function"):
+        try:
+            function = load_function(task["function"])  # the user's own module, before confinement
+        except BaseException as err:
+            failed = {"outcome": {"status": "load_error", "detail": f"{type(err).__name__}: {err}"[:300]}}
+            for _ in task["jobs"]:
+                protocol.write(json.dumps(failed) + "\n")
+            return
+    drop_capabilities()
+    confine_writes(task["workdir"])
+    for job in task["jobs"]:
+        answer = _function_job(job, function, task) if function else _code_job(job, task)
+        protocol.write(json.dumps(answer) + "\n")
+
+
+if __name__ == "__main__":
+    _serve()
