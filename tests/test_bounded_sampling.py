@@ -27,8 +27,8 @@ USEFUL = {"p3", "p7"}  # the only prompts whose groups have reward variance
 def verdicts_by_prompt(useful=USEFUL, solved=frozenset({"p0", "p1", "p2", "p4"})):
     """A scorer standing in for a policy that is polarised on most prompts: all right on
     `solved`, all wrong on the rest, mixed only on `useful` (the prompt text is its id)."""
-    async def score(responses, golds):
-        prompt = f"p{golds[0]}"
+    async def score(responses, record):
+        prompt = record.prompt_id
         if prompt in useful:
             return [float(i % 2) for i in range(len(responses))]
         return [1.0 if prompt in solved else 0.0] * len(responses)
@@ -57,7 +57,7 @@ class CountingBuffer(Buffer):
 def make_sampler(engine, **kwargs):
     client = EngineClient(engine.url)
     manager = RolloutManager([client], p.SamplingParams(max_new_tokens=2, n=4))
-    sampler = ActiveSampler(manager, CountingBuffer(), PROMPTS, encode=lambda text: [1, 5 + int(text)],
+    sampler = ActiveSampler(manager, CountingBuffer(), PROMPTS, encode=lambda record: [1, 5 + int(record.prompt)],
                             decode=lambda ids: "", score=verdicts_by_prompt(), seed=0, **kwargs)
     return sampler, client
 

@@ -84,6 +84,18 @@ def _problems(overrides, path=TINY):
         (["nosuchsection.x=1"], "nosuchsection: unknown field"),
         (["parallel=3"], "parallel = 3"),
         (["algo.kind"], "expected dotted.key=value"),
+        (["verifier.kind=chemistry"], "verifier.kind = 'chemistry': unknown verifier (known: math, code)"),
+        (["verifier.by_data_source={openai/gsm8k: mth}"], "verifier.by_data_source.openai/gsm8k = 'mth': unknown"),
+        (["verifier.functions={math: 'a:b'}"], "verifier.functions.math: 'math' is a built-in verifier"),
+        (["verifier.functions={mine: 'just_a_module'}"], "verifier.functions.mine = 'just_a_module': expected"),
+        (["data.type=file", "data.path=[a.jsonl, b.jsonl]", "data.weights=[1]"],
+         "data.weights = [1.0]: one weight per file in data.path (2)"),
+        (["eval.sets.held.type=file", "eval.sets.held.path=a.jsonl", "eval.sets.held.weights=[0]"],
+         "eval.sets.held.weights = [0.0]: every weight must be > 0"),
+        (["data.type=file"], "data.path: required field is missing"),
+        (["data.type=file", "data.path=a.jsonl", "data.format=openrlhf"], "data.format = 'openrlhf'"),
+        (["eval.n_samples=2", "eval.pass_k=[1, 4]"], "eval.pass_k = [1, 4]: k must be <= eval.n_samples (2)"),
+        (["logging.wandb.mode=offline"], "logging.wandb.project: required field is missing"),
     ],
 )
 def test_errors_name_the_field(overrides, expected):
@@ -150,3 +162,17 @@ def test_a_dotted_override_can_switch_a_section_to_another_kind():
 def test_cli_version():
     out = _cli("--version")
     assert out.returncode == 0 and out.stdout.startswith("megatron-rlvr ")
+
+
+def test_a_dotted_type_override_switches_the_section_s_kind():
+    # the YAML's data section is written for the arithmetic kind (num_prompts, max_operand, seed)
+    cfg = load_config(TINY, ["data.path=/x/train.parquet", "data.type=file", "data.format=verl",
+                             "data.system_prompt=Be brief."])
+    assert cfg.data.type == "file" and cfg.data.path == "/x/train.parquet"
+    assert (cfg.data.prompt_key, cfg.data.answer_key, cfg.data.verifier_key, cfg.data.id_key) == (
+        "prompt", "reward_model.ground_truth", "ability", "extra_info.index")
+    assert cfg.data.system_prompt == "Be brief." and cfg.data.seed == 0  # seed: both kinds have it
+    plain = load_config(TINY, ["data.type=file", "data.path=a.jsonl", "data.answer_key=solution.final"])
+    assert (plain.data.prompt_key, plain.data.answer_key) == ("prompt", "solution.final")
+    engine = load_config(TINY, ["rollout.engine.type=cpu", "rollout.engine.dtype=bfloat16"])
+    assert engine.rollout.engine.dtype == "bfloat16"  # the same kind keeps its fields
