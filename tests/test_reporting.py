@@ -5,6 +5,7 @@ eval panel; a missing wandb package is one clear line."""
 import glob
 import json
 import struct
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -81,7 +82,8 @@ def test_a_resumed_run_continues_the_same_wandb_run(tmp_path, monkeypatch):
     first_id = (tmp_path / "wandb_run_id").read_text()
     log_a_run(tmp_path, first_step=3, steps=4, wandb=spec)
     assert (tmp_path / "wandb_run_id").read_text() == first_id
-    assert all(p.endswith(first_id) for p in glob.glob(f"{tmp_path}/wandb/offline-run-*"))
+    runs = [Path(p).name for p in glob.glob(f"{tmp_path}/wandb/offline-run-*")]
+    assert runs and all(first_id in name for name in runs), runs
 
 
 def test_without_eval_the_curves_have_two_panels(tmp_path):
