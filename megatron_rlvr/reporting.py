@@ -47,6 +47,7 @@ class RunReport:
         self.dir = Path(output_dir)
         self.metrics_path = self.dir / "metrics.jsonl"
         kept = [line for line in _lines(self.metrics_path) if json.loads(line)["step"] < first_step]
+        kept = kept if first_step > 1 else []  # a fresh run: not even an earlier attempt's step-0 eval
         self.metrics_path.write_text("".join(line + "\n" for line in kept))
         self.once = dict(once or {}) if first_step == 1 else {}  # a resumed run logged them already
         self.eval_shown: str = ""
