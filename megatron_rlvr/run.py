@@ -3,9 +3,10 @@ model (made locally on first run for the tiny default), engine servers, the lear
 the buffer, the verifier pool, and the rollout manager with active sampling on an event
 loop of its own thread, so that generation can go on while the learner trains.
 
-launch.mode = ray (default): learner ranks, engines, the buffer and the verifiers are Ray
-actors on a local Ray or an existing cluster. launch.mode = local: one learner rank in this
-process, engines as child processes, no Ray."""
+launch.mode picks where components live (launch/placement.py): ray (default) makes learner
+ranks, engine hosts, the buffer and the verifiers Ray actors on a local Ray or an existing
+cluster; local keeps one learner rank and everything else in this process, engines as child
+processes, no Ray."""
 
 from __future__ import annotations
 
@@ -23,16 +24,21 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.config import Config, HFModel, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
 from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
+if TYPE_CHECKING:
+    from megatron_rlvr.launch.placement import Placement
+
 log = logging.getLogger(__name__)
 
 
-class RunError(RuntimeError):
+class RunError(UserError, RuntimeError):
     """A run that cannot start or resume, said in one line."""
 
 
@@ -149,6 +155,7 @@ class Run:
     def sync_weights(self) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
         restarted since the last sync get them too and take work again."""
+        self.stop.result(self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health")
         metrics = self.learners.sync_weights(self.version)
         self.stop.result(self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin",
                          urgent_only=True)
@@ -226,9 +233,9 @@ class Run:
 def open_run(cfg: Config, stop: StopSignals):
     """Starts every component (a stop request during start-up ends it at the next wait);
     stops every one of them on exit, error or stop request."""
-    from megatron_rlvr.launch.cluster import ray_session
+    from megatron_rlvr.launch.placement import placement_for
 
-    remote = cfg.launch.mode == "ray"
+    placement = placement_for(cfg)
     stop.check("before start-up")
     Path(cfg.trainer.output_dir).mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
@@ -236,11 +243,10 @@ def open_run(cfg: Config, stop: StopSignals):
         run = None
         try:
             temp_dir = cluster.enter_context(_run_temp_dir())
-            if remote:
-                cluster.enter_context(ray_session(cfg, str(Path(temp_dir) / "ray")))
+            cluster.enter_context(placement.session(str(Path(temp_dir) / "ray")))
             stop.check("while Ray started")
             run = Run(cfg, model_dir, tokenizer, stop)
-            _start(run, remote)
+            _start(run, placement)
             yield run
         finally:
             if run is not None:
@@ -276,12 +282,12 @@ def _run_temp_dir():
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _start(run: Run, remote: bool) -> None:
+def _start(run: Run, placement: Placement) -> None:
     from megatron_rlvr.buffer.buffer import Buffer
     from megatron_rlvr.evaluation import build_evaluator
-    from megatron_rlvr.launch.cluster import AsyncActor
     from megatron_rlvr.launch.engines import EngineFleet
     from megatron_rlvr.launch.learners import LearnerGroup
+    from megatron_rlvr.launch.placement import Role
     from megatron_rlvr.launch.verifiers import VerifierPool
     from megatron_rlvr.learner.model import read_hf_config
     from megatron_rlvr.rollout import protocol as p
@@ -292,9 +298,9 @@ def _start(run: Run, remote: bool) -> None:
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
-    run.engines = EngineFleet(cfg, run.model_dir, remote=remote)
+    run.engines = EngineFleet(cfg, run.model_dir, placement)
     urls = run.engines.start(run.stop)
-    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, remote=remote, stop=run.stop)
+    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop)
     run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
     eos = tokenizer.eos_token_id
     sampling = p.SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
@@ -307,14 +313,9 @@ def _start(run: Run, remote: bool) -> None:
 
     run.manager = RolloutManager(run.clients, sampling, restart=restart,
                                  routing=RoutingShape(*shape, num_experts) if shape else None)
-    buffer_args = {"zero_std_eps": cfg.buffer.zero_std_eps, "max_staleness": cfg.buffer.max_staleness}
-    if remote:
-        import ray
-
-        run.buffer = AsyncActor(ray.remote(Buffer).options(num_cpus=0.01).remote(**buffer_args))
-    else:
-        run.buffer = Buffer(**buffer_args)
-    run.verifiers = VerifierPool(cfg, remote=remote)
+    run.buffer = placement.place(Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps,
+                                 max_staleness=cfg.buffer.max_staleness).proxy()
+    run.verifiers = VerifierPool(cfg, placement)
     skip = cfg.buffer.skip_prompts
     history = PromptHistory(enabled=skip.enabled, explore_solved=skip.explore_solved,
                             explore_unsolved=skip.explore_unsolved, max_skip_probability=skip.max_probability,

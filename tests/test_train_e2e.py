@@ -163,7 +163,9 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
 
 def test_an_engine_killed_mid_run_loses_no_group_and_rejoins(tmp_path):
     done, text = kill_an_engine_mid_run(tmp_path, 2)
-    assert done[-1]["rollout/moved_groups"] >= 1  # the dead engine's groups went to the other one
+    # killed mid-batch, its groups went to the other engine; killed between batches, the
+    # next weight sync found it silent and restarted it before it was given work
+    assert done[-1]["rollout/moved_groups"] >= 1 or "does not answer /health before a weight sync" in text
     assert done[-1]["buffer/dropped_failed"] == 0  # none lost
     assert all(m["weight_sync/version"] == m["step"] for m in done)
     assert "was killed by SIGKILL; the end of its log" in text

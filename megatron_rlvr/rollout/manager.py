@@ -72,6 +72,7 @@ class RolloutManager:
         self._restarting: set[int] = set()
         self.restarted: set[int] = set()  # back up, but holding initial weights
         self._weights_needed = asyncio.Event()  # set while every engine waits for weights
+        self._current_version: str | None = None  # the policy version the last sync pushed
 
     @property
     def in_flight(self) -> int:
@@ -206,6 +207,19 @@ class RolloutManager:
         aborted = any(s.finish_reason == "abort" for s in samples)
         return Group(item.prompt_id, group_id, samples, item.answer, aborted=aborted)
 
+    async def restart_unanswering(self) -> list[int]:
+        """Schedules a restart of every engine that does not answer /health and is not being
+        restarted already; returns their indices. An engine that died between batches has no
+        request to fail on, so the weight sync asks this before it waits for engines."""
+        engines = [i for i in range(len(self.clients)) if i not in self._restarting]
+        answers = await asyncio.gather(*(self.clients[i].health() for i in engines))
+        dead = [i for i, alive in zip(engines, answers) if not alive]
+        for engine in dead:
+            log.warning("engine %d (%s) does not answer /health before a weight sync: restarting it if its process died",
+                        engine, self.clients[engine].base_url)
+            self._schedule_restart(engine)
+        return dead
+
     def _schedule_restart(self, engine: int) -> None:
         if self.restart is None or engine in self._restarting:
             return
@@ -218,6 +232,9 @@ class RolloutManager:
                     log.warning("engine %d (%s) %s\nrestarted: it serves again once it holds the run's weights",
                                 engine, self.clients[engine].base_url, how)
                     self.restarted.add(engine)
+                    # a weight sync may have reached it before its restart was seen to finish
+                    if self._current_version is not None and await self.readmit(self._current_version):
+                        return
                     if not self._serving() and not self._restarting - {engine}:
                         self._weights_needed.set()
             except Exception as err:  # the engine stays out; the others carry on
@@ -231,7 +248,8 @@ class RolloutManager:
 
     async def readmit(self, version: int | str) -> list[int]:
         """Restarted engines that now hold `version` (the weight sync reached them) take
-        work again; returns their indices."""
+        work again; returns their indices. `version` is the run's current one from now on."""
+        self._current_version = str(version)
         back = []
         for engine in sorted(self.restarted):
             try:
