@@ -10,6 +10,7 @@ import pytest
 
 from megatron_rlvr.config import VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
+from megatron_rlvr.launch.placement import InProcess
 from megatron_rlvr.launch.verifiers import VerifierPool
 from megatron_rlvr.rewards.custom import FunctionSpecError, FunctionVerifier, check_function, resolve_function
 from megatron_rlvr.rewards.registry import VerdictStats, Verifiers
@@ -122,7 +123,7 @@ def test_the_local_pool_scores_and_evaluation_does_not_count(tmp_path, monkeypat
             return 1.0
     """))
     cfg = Config.model_validate({"verifier": {"functions": {"yes": "words:yes"}, "num_workers": 1}})
-    pool = VerifierPool(cfg, remote=False)
+    pool = VerifierPool(cfg, InProcess(cfg))
     try:
         record = PromptRecord("u", "q", None, "yes")
         assert asyncio.run(pool(["a", "b"], record)) == [1.0, 1.0]

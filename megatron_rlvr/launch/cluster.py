@@ -1,6 +1,6 @@
 """Ray for a run: a local Ray started with explicit CPUs and object-store size (the default),
-or an existing cluster's address (Slurm jobs). Also the small pieces every Ray caller here
-needs: where a process runs, a fail-fast gather, and an async proxy for actor handles."""
+or an existing cluster's address (Slurm jobs), checked to hold the run before anything
+starts; and the address a process is reached at."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import logging
 import os
 import signal
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.config import Config
-from megatron_rlvr.stopping import StopSignals
 
 log = logging.getLogger(__name__)
 
 
-class ClusterError(RuntimeError):
+class ClusterError(UserError, RuntimeError):
     """The cluster cannot hold the run, said in one line before anything starts."""
 
 
@@ -72,50 +72,3 @@ def check_fits(cfg: Config, available: dict[str, float]) -> None:
                 f"the run needs {amount:g} {name}s (learner tp·pp·dp = {p.tp}·{p.pp}·{p.dp} on "
                 f"{p.device}, {cfg.rollout.num_engines} {cfg.rollout.engine.type} engines) but the "
                 f"Ray cluster has {available.get(name, 0.0):g}")
-
-
-def gather(refs: list, stop: StopSignals | None = None, what: str = "Ray actors", *,
-           urgent_only: bool = True) -> list:
-    """ray.get that raises the first failure at once, instead of waiting on ranks that are
-    blocked in a collective with the rank that died. With `stop`, a stop request ends the
-    wait (by default only a second one: the work asked for is let finish)."""
-    import ray
-
-    stop = stop or StopSignals()
-    pending = list(refs)
-
-    def one_done(poll_s: float) -> bool:
-        nonlocal pending
-        done, pending = ray.wait(pending, num_returns=1, timeout=poll_s)
-        if done:
-            ray.get(done)
-        return not pending
-
-    if pending:
-        stop.wait_until(one_done, what, urgent_only=urgent_only)
-    return ray.get(refs)
-
-
-def call_all(targets: list, method: str, *args, remote: bool, stop: StopSignals | None = None,
-             urgent_only: bool = True) -> list:
-    """method(*args) on every target, which are local objects or (remote) Ray actors."""
-    if not remote:
-        return [getattr(target, method)(*args) for target in targets]
-    return gather([getattr(target, method).remote(*args) for target in targets], stop, f"{method} on Ray actors",
-                  urgent_only=urgent_only)
-
-
-class AsyncActor:
-    """Awaitable method calls on a Ray actor, so an actor and a local object with async
-    methods are interchangeable (the buffer, the verifier)."""
-
-    def __init__(self, handle):
-        self._handle = handle
-
-    def __getattr__(self, name: str):
-        method = getattr(self._handle, name)
-
-        async def call(*args, **kwargs):
-            return await method.remote(*args, **kwargs)
-
-        return call

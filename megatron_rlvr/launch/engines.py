@@ -1,6 +1,6 @@
 """Rollout engine servers, each owned by an EngineHost that starts, restarts and stops it
-where the host lives: in this process (local runs) or in a Ray actor on some node, so the
-server runs on that node and dies with its owner."""
+where the run's placement puts the host (this process, or a Ray actor on some node), so the
+server runs there and dies with its owner."""
 
 from __future__ import annotations
 
@@ -8,13 +8,15 @@ import threading
 from pathlib import Path
 
 from megatron_rlvr.config import Config
-from megatron_rlvr.launch.cluster import call_all, node_ip
+from megatron_rlvr.launch.cluster import node_ip
+from megatron_rlvr.launch.placement import Placement, Role
 from megatron_rlvr.stopping import StopSignals
 
 
 class EngineHost:
-    def __init__(self, cfg: Config, model_dir: str, log_dir: str, index: int = 0):
-        self.cfg, self.model_dir, self.log_dir, self.index = cfg, model_dir, log_dir, index
+    def __init__(self, cfg: Config, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None):
+        """gpus: the GPU ids the server may see (None: as the process environment says)."""
+        self.cfg, self.model_dir, self.log_dir, self.index, self.gpus = cfg, model_dir, log_dir, index, gpus
         self.server = None
         self.closed = False  # stop() came (perhaps while start() was on its way)
 
@@ -28,31 +30,12 @@ class EngineHost:
         self.server = engine_process(self.model_dir, rollout.engine, host=bind,
                                      port=free_port("" if bind == "0.0.0.0" else bind),
                                      routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir,
-                                     name=f"engine {self.index} ({rollout.engine.type})", gpus=self._gpus())
+                                     name=f"engine {self.index} ({rollout.engine.type})", gpus=self.gpus)
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
         self.server.start(rollout.start_timeout_s)
         host = node_ip() if bind == "0.0.0.0" else bind
         return f"http://{host}:{self.server.port}"
-
-    def _gpus(self) -> list[int] | None:
-        """launch.mode = local: this engine's GPUs (rollout.engine.gpus, or those after the
-        learner's GPU 0), so SGLang never claims memory on the learner's GPU by default. Under
-        Ray the actor's CUDA_VISIBLE_DEVICES already holds its GPUs."""
-        engine = self.cfg.rollout.engine
-        if self.cfg.launch.mode != "local" or engine.type != "sglang" or engine.device != "cuda":
-            return None
-        ids = engine_gpus(engine.gpus, self.index, engine.tp)
-        import torch
-
-        from megatron_rlvr.rollout.launcher import EngineStartError
-
-        if max(ids) >= torch.cuda.device_count():
-            raise EngineStartError(
-                f"engine {self.index}: launch.mode = local puts it on GPUs {ids} (the learner has GPU 0) but "
-                f"this machine has {torch.cuda.device_count()}; set rollout.engine.gpus (e.g. [0] to share "
-                "the learner's GPU, with a small rollout.engine.mem_fraction_static)")
-        return ids
 
     def restart(self) -> str | None:
         """Same port, fresh process, if the server died or hangs: it comes back with the
@@ -95,24 +78,14 @@ def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
 class EngineFleet:
     """All engines of a run; start() brings them up in parallel and stops all if one fails."""
 
-    def __init__(self, cfg: Config, model_dir: Path, *, remote: bool):
+    def __init__(self, cfg: Config, model_dir: Path, placement: Placement):
         log_dir = str(Path(cfg.trainer.output_dir) / "logs")
-        self.remote = remote
-        if remote:
-            import ray
-
-            engine = cfg.rollout.engine
-            on_gpus = engine.type == "sglang" and engine.device == "cuda"
-            options = {"num_gpus": engine.tp} if on_gpus else {"num_cpus": 0.01}
-            # two threads: stop() must be able to interrupt a start() that is waiting for health
-            actor = ray.remote(EngineHost).options(max_concurrency=2, **options)
-            self.hosts = [actor.remote(cfg, str(model_dir), log_dir, i) for i in range(cfg.rollout.num_engines)]
-        else:
-            self.hosts = [EngineHost(cfg, str(model_dir), log_dir, i) for i in range(cfg.rollout.num_engines)]
+        self.hosts = [placement.place(Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i,
+                                      placement.engine_gpus(i), index=i) for i in range(cfg.rollout.num_engines)]
         self.urls: list[str] = []
 
     def _call(self, index: int, method: str, *args):
-        return call_all(self.hosts[index:index + 1], method, *args, remote=self.remote)[0]
+        return self.hosts[index].call(method, *args)
 
     def start(self, stop: StopSignals) -> list[str]:
         """Starts every engine at once; a stop request or one engine's failure stops them all."""

@@ -1,18 +1,20 @@
-"""The learner's ranks as one object the RL loop calls. Each rank is a LearnerRank: in this
-process for a one-rank local run, or one Ray actor per rank (the actors form the
-torch.distributed world among themselves). Global rank 0 also owns the weight syncer, since
+"""The learner's ranks as one object the RL loop calls. Each rank is a LearnerRank placed
+where the run's placement puts it (this process for a one-rank local run, one Ray actor per
+rank otherwise; the ranks form the torch.distributed world among themselves). Global rank 0 also owns the weight syncer, since
 it is the source of every broadcast to the engines."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 from pathlib import Path
 
 import torch
 
 from megatron_rlvr.config import Config
-from megatron_rlvr.launch.cluster import call_all, node_ip
+from megatron_rlvr.launch.cluster import node_ip
+from megatron_rlvr.launch.placement import Handle, Placement, Role, call_all, close_all
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.stopping import StopSignals
 
@@ -100,39 +102,31 @@ def engine_ranks(cfg: Config, num_engines: int) -> list[int]:
 class LearnerGroup:
     """Every call is collective: it runs on all ranks and returns rank 0's result."""
 
-    def __init__(self, ranks: list, remote: bool, stop: StopSignals):
-        self.ranks, self.remote, self.stop = ranks, remote, stop
+    def __init__(self, ranks: list[Handle], placement: Placement, stop: StopSignals):
+        self.ranks, self.placement, self.stop = ranks, placement, stop
 
     @classmethod
-    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], *, remote: bool,
+    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], placement: Placement,
               stop: StopSignals) -> tuple[LearnerGroup, int]:
         """The ranks of cfg.parallel's layout, set up (a stop request ends the wait); also the
         engines' weight version."""
         p = cfg.parallel
         world = p.tp * p.pp * p.dp
-        if remote:
-            import ray
-
-            options = {"num_gpus": 1} if p.device == "cuda" else {"num_cpus": 0.01}
-            actor = ray.remote(LearnerRank).options(**options)
-            ranks = [actor.remote(cfg, str(model_dir), rank, world) for rank in range(world)]
-        else:
-            ranks = [LearnerRank(cfg, str(model_dir), 0, 1)]
-        group = cls(ranks, remote, stop)
+        ranks = [placement.place(Role.LEARNER_RANK, LearnerRank, cfg, str(model_dir), rank, world, index=rank)
+                 for rank in range(world)]
+        group = cls(ranks, placement, stop)
         try:
-            master = call_all(ranks[:1], "rendezvous_address", remote=remote)[0]
-            version = call_all(ranks, "setup", master, engine_urls, remote=remote, stop=stop, urgent_only=False)[0]
+            master = ranks[0].call("rendezvous_address")
+            version = call_all(ranks, "setup", master, engine_urls, stop=stop, urgent_only=False)[0]
         except BaseException:
-            group.close()
+            with contextlib.suppress(Exception):  # the failed start's own error is the one to report
+                group.close(graceful=False)
             raise
         return group, version
 
     def _all(self, method: str, *args):
-        if self.remote:
-            import ray
-
-            args = [ray.put(a) if isinstance(a, TrainBatch) else a for a in args]  # one copy for all ranks
-        return call_all(self.ranks, method, *args, remote=self.remote, stop=self.stop)[0]
+        args = tuple(self.placement.share(a) if isinstance(a, TrainBatch) else a for a in args)  # one copy for all ranks
+        return call_all(self.ranks, method, *args, stop=self.stop)[0]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self._all("compute_logprobs", batch)
@@ -152,13 +146,4 @@ class LearnerGroup:
     def close(self, graceful: bool = True) -> None:
         """Best effort on every rank: a rank that already failed must not keep others up.
         Ranks busy with earlier work get a few seconds (none unless graceful), then are killed."""
-        if not self.remote:
-            for rank in self.ranks:
-                rank.close()
-            return
-        import ray
-
-        refs = [rank.close.remote() for rank in self.ranks]
-        ray.wait(refs, num_returns=len(refs), timeout=20 if graceful else 0)
-        for rank in self.ranks:
-            ray.kill(rank)
+        close_all(self.ranks, grace_s=20.0 if graceful else 0.0)

@@ -22,15 +22,16 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr import run_dir
-from megatron_rlvr.config import Config, ConfigError, HFModel, SglangEngine, data_sources, load_config
+from megatron_rlvr.config import Config, HFModel, SglangEngine, data_sources, load_config
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
                 "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
 
 
-class SubmitError(RuntimeError):
+class SubmitError(UserError, RuntimeError):
     """A job that cannot be submitted, said in one line."""
 
 
@@ -281,42 +282,33 @@ def add_submit_parser(sub) -> None:
 
 
 def submit_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    resources = plan(cfg, args.nodes, args.gpus_per_node)
+    log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
+    spec = JobSpec(
+        config=Path(args.config).absolute(), overrides=list(args.overrides), nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node, log_root=log_root,
+        job_name=args.job_name or f"rlvr-{Path(args.config).stem}", partition=args.partition,
+        time=args.time, account=args.account, sbatch_options=args.sbatch_option,
+        container=args.container, iface=args.iface, join_timeout_s=args.join_timeout_s,
+        stop_grace_s=args.stop_grace_s)
+    if args.bin_dir:
+        spec.bin_dir = Path(args.bin_dir)
+    script = render(spec, resources)
+    if args.dry_run:
+        print(script, end="")
+        return 0
+    check_inputs_present(cfg)
+    run_dir.check_output_dir(cfg)  # the job resumes what it finds: never another run's folder
+    _slurm_command("sbatch")  # no log folder left behind by a submission that cannot happen
+    created = next((d for d in reversed([log_root, *log_root.parents]) if not d.exists()), None)
+    log_root.mkdir(parents=True, exist_ok=True)  # Slurm writes the timeline there at once
     try:
-        cfg = load_config(args.config, args.overrides)
-    except ConfigError as err:
-        return err.report()
-    try:
-        resources = plan(cfg, args.nodes, args.gpus_per_node)
-        log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
-        spec = JobSpec(
-            config=Path(args.config).absolute(), overrides=list(args.overrides), nodes=args.nodes,
-            gpus_per_node=args.gpus_per_node, log_root=log_root,
-            job_name=args.job_name or f"rlvr-{Path(args.config).stem}", partition=args.partition,
-            time=args.time, account=args.account, sbatch_options=args.sbatch_option,
-            container=args.container, iface=args.iface, join_timeout_s=args.join_timeout_s,
-            stop_grace_s=args.stop_grace_s)
-        if args.bin_dir:
-            spec.bin_dir = Path(args.bin_dir)
-        script = render(spec, resources)
-        if args.dry_run:
-            print(script, end="")
-            return 0
-        check_inputs_present(cfg)
-        run_dir.check_output_dir(cfg)  # the job resumes what it finds: never another run's folder
-        _slurm_command("sbatch")  # no log folder left behind by a submission that cannot happen
-        created = next((d for d in reversed([log_root, *log_root.parents]) if not d.exists()), None)
-        log_root.mkdir(parents=True, exist_ok=True)  # Slurm writes the timeline there at once
-        try:
-            job_id = sbatch(script)
-        except SubmitError:
-            if created is not None:
-                shutil.rmtree(created, ignore_errors=True)
-            raise
-    except SubmitError as err:
-        print(f"megatron-rlvr submit: {err}", file=sys.stderr)
-        return 2
-    except ConfigError as err:
-        return err.report()
+        job_id = sbatch(script)
+    except SubmitError:
+        if created is not None:
+            shutil.rmtree(created, ignore_errors=True)
+        raise
     job_dir = log_root / job_id
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.sbatch").write_text(script)

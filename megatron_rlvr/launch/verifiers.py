@@ -1,24 +1,23 @@
 """The verifier workers that score every response: a run's verifiers (math, code, the user's
-functions) under this process (local runs), or Ray actors, each with its own sandboxes, that
-take groups in turn."""
+functions), verifier.num_workers of them placed where the run's placement puts them, each
+with its own sandboxes, taking groups in turn."""
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import threading
 
 from megatron_rlvr.config import Config, VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
-from megatron_rlvr.launch.cluster import call_all
+from megatron_rlvr.launch.placement import Placement, Role, call_all, close_all
 from megatron_rlvr.rewards.custom import resolve_function
 from megatron_rlvr.rewards.registry import VerdictStats, Verifiers
 
 
 class VerifierWorker:
-    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict], parallel: int = 1):
-        self.verifiers = Verifiers(cfg, functions, parallel)
+    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict]):
+        self.verifiers = Verifiers(cfg, functions)
         self._lock = threading.Lock()  # scoring runs on worker threads in local runs
         self._stats = VerdictStats()
 
@@ -40,40 +39,23 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, cfg: Config, *, remote: bool):
+    def __init__(self, cfg: Config, placement: Placement):
         v = cfg.verifier
-        self.remote = remote
         functions = {name: resolve_function(spec, os.getcwd()) for name, spec in v.functions.items()}
-        if remote:
-            import ray
-
-            actor = ray.remote(VerifierWorker).options(num_cpus=0.01)
-            self.workers = [actor.remote(v, functions) for _ in range(v.num_workers)]
-        else:
-            self.workers = [VerifierWorker(v, functions, v.num_workers)]
+        self.workers = [placement.place(Role.VERIFIER, VerifierWorker, v, functions, index=i)
+                        for i in range(v.num_workers)]
         self._turn = itertools.cycle(self.workers)
 
     async def __call__(self, responses: list[str], record: PromptRecord, *, count: bool = True) -> list[float]:
-        worker = next(self._turn)
-        if self.remote:
-            return await worker.rewards.remote(responses, record, count)
-        return await asyncio.to_thread(worker.rewards, responses, record, count)
+        return await next(self._turn).call_async("rewards", responses, record, count)
 
     def take_metrics(self) -> dict[str, float]:
         """`verifier/<reason>` counts (numeric_equal, timeout, wrong_answer, ...) and, per
         verifier, `verifier/<name>/samples`, `/reward_mean` and `/<reason>`, since the last call."""
         stats = VerdictStats()
-        for part in call_all(self.workers, "take_stats", remote=self.remote):
+        for part in call_all(self.workers, "take_stats"):
             stats.merge(part)
         return stats.metrics()
 
     def close(self) -> None:
-        if not self.remote:
-            for worker in self.workers:
-                worker.close()
-            return
-        import ray
-
-        ray.wait([w.close.remote() for w in self.workers], num_returns=len(self.workers), timeout=30)
-        for worker in self.workers:
-            ray.kill(worker)
+        close_all(self.workers, grace_s=30.0)

@@ -16,14 +16,14 @@ Verdict = tuple[float, str]
 
 
 class Verifiers:
-    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict], parallel: int = 1):
-        """functions: verifier.functions resolved by custom.resolve_function; parallel: sandbox
-        processes each verifier may run at once."""
-        self.math = MathVerifier(timeout_s=cfg.timeout_s, num_workers=parallel)
+    def __init__(self, cfg: VerifierConfig, functions: dict[str, dict]):
+        """functions: verifier.functions resolved by custom.resolve_function. One sandbox
+        process per verifier: a run has verifier.num_workers of these, scoring groups at once."""
+        self.math = MathVerifier(timeout_s=cfg.timeout_s, num_workers=1)
         self.code = CodeVerifier(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
-                                 max_output_kb=cfg.code.max_output_kb, reward=cfg.code.reward, parallel=parallel)
-        self.functions = {name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
-                                                 parallel=parallel) for name, spec in functions.items()}
+                                 max_output_kb=cfg.code.max_output_kb, reward=cfg.code.reward, parallel=1)
+        self.functions = {name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, parallel=1)
+                          for name, spec in functions.items()}
 
     def verify(self, responses: list[str], record: PromptRecord) -> list[Verdict]:
         """(reward, reason) per response to `record`."""
