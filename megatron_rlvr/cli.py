@@ -6,8 +6,9 @@ import argparse
 import sys
 
 from megatron_rlvr.compare import command as compare_replay
-from megatron_rlvr.config import ConfigError, load_config, to_yaml
+from megatron_rlvr.config import load_config, to_yaml
 from megatron_rlvr.convert import commands as convert
+from megatron_rlvr.errors import UserError, original
 from megatron_rlvr.launch import slurm
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
@@ -43,14 +44,11 @@ def _version() -> str:
 def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     from megatron_rlvr import run_dir
 
-    try:
-        cfg = load_config(args.config, args.overrides)
-        if args.dry_run:
-            print(to_yaml(cfg), end="")
-            return 0
-        found = run_dir.check_output_dir(cfg)
-    except ConfigError as err:
-        return err.report()
+    cfg = load_config(args.config, args.overrides)
+    if args.dry_run:
+        print(to_yaml(cfg), end="")
+        return 0
+    found = run_dir.check_output_dir(cfg)
     if finished := run_dir.finished_message(cfg, found):
         print(f"megatron-rlvr train: {finished}", file=sys.stderr)
         return 0
@@ -60,29 +58,13 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     logging.getLogger("megatron_rlvr").setLevel(cfg.logging.level)  # ours; libraries stay quiet
 
     from megatron_rlvr.data.check import check_inputs
-    from megatron_rlvr.errors import UserError
 
-    try:
-        check_inputs(cfg)  # data files, rows, verifier functions, sandbox: before Ray or a model starts
-    except UserError as err:
-        print(f"megatron-rlvr train: {err}", file=sys.stderr)
-        return err.exit_code
+    check_inputs(cfg)  # data files, rows, verifier functions, sandbox: before Ray or a model starts
 
     from megatron_rlvr import trainer  # heavy: Megatron, transformers
-    from megatron_rlvr.launch.cluster import ClusterError
-    from megatron_rlvr.rollout.launcher import EngineStartError
-    from megatron_rlvr.rollout.sampler import RolloutFailed
-    from megatron_rlvr.run import RunError
-    from megatron_rlvr.weight_sync.probe import ParityError
-    from megatron_rlvr.weight_sync.syncer import WeightSyncError
 
     try:
         outcome = trainer.train(cfg, stop)
-    except (RunError, ClusterError, EngineStartError, RolloutFailed, WeightSyncError, ParityError,
-            FileNotFoundError) as err:
-        cause = getattr(err, "cause", None) or err  # raised inside a Ray actor: the original
-        print(f"megatron-rlvr train: {cause}", file=sys.stderr)
-        return 2
     except StopRequested as err:
         print(f"megatron-rlvr train: {err}; every component was stopped", file=sys.stderr)
         return 130
@@ -93,6 +75,19 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
               file=sys.stderr)
         return 1
     return 0
+
+
+def _run(args: argparse.Namespace) -> int:
+    if args.command == "submit":
+        return slurm.submit_command(args)
+    # Long-running commands: Ctrl-C and SIGTERM are recorded, never raised where they land
+    # (see stopping.py); each command looks at the request at its safe points.
+    stop = StopSignals().install()
+    if args.command == "train":
+        return _train(args, stop)
+    if args.command == "compare-replay":
+        return compare_replay.main(args, stop)
+    return convert.main(args, stop)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -107,16 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    if args.command == "submit":
-        return slurm.submit_command(args)
-    # Long-running commands: Ctrl-C and SIGTERM are recorded, never raised where they land
-    # (see stopping.py); each command looks at the request at its safe points.
-    stop = StopSignals().install()
-    if args.command == "train":
-        return _train(args, stop)
-    if args.command == "compare-replay":
-        return compare_replay.main(args, stop)
-    return convert.main(args, stop)
+    try:
+        return _run(args)
+    except UserError as err:  # the one place errors meant for the user are printed
+        reported = original(err)
+        return reported.report(args.command) if isinstance(reported, UserError) else err.report(args.command)
 
 
 if __name__ == "__main__":

@@ -8,19 +8,21 @@ from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from megatron_rlvr.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """A config that cannot run; `problems` holds one line per problem."""
 
     def __init__(self, problems: list[str]):
         self.problems = problems
         super().__init__("\n".join(problems))
 
-    def report(self) -> int:
+    def report(self, command: str = "") -> int:
         """Prints one `config error:` line per problem on stderr; returns the exit code, 2."""
         for line in self.problems:
             print(f"config error: {line}", file=sys.stderr)
-        return 2
+        return self.exit_code
 
 
 class Section(BaseModel):

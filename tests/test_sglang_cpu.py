@@ -20,7 +20,7 @@ import psutil
 import pytest
 import torch
 
-from engine_fixtures import REPO, hf_teacher_forced, sglang_process, sglang_python, start_engine, start_sglang
+from engine_fixtures import REPO, hf_teacher_forced, sglang_process, sglang_python, start_sglang
 from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.rollout.launcher import EngineStartError

@@ -163,7 +163,7 @@ def test_submit_prints_job_and_logs_and_follow_exits_with_the_job_status(tmp_pat
     assert out.returncode == 0, out.stderr
     assert calls.read_text().split() == ["--parsable"]
     log_root = out_dir / "slurm"
-    assert f"submitted job 4242: 2 nodes × 0 GPUs" in out.stdout
+    assert "submitted job 4242: 2 nodes × 0 GPUs" in out.stdout
     assert f"timeline: {log_root}/slurm-4242.out" in out.stdout
     assert f"driver:   {log_root}/4242/driver.log" in out.stdout
     assert (log_root / "4242" / "job.sbatch").read_text() == (tmp_path / "submitted.sbatch").read_text()

@@ -16,8 +16,8 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from megatron_rlvr.compare.plan import CompareError, plan_runs
-from megatron_rlvr.config import AlgoConfig, ConfigError, load_config
+from megatron_rlvr.compare.plan import plan_runs
+from megatron_rlvr.config import AlgoConfig, load_config
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 MODES = get_args(AlgoConfig.model_fields["routing_replay"].annotation)
@@ -117,11 +117,6 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
 
         verdicts = write_report(out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out),
                                 steps, args.seeds)
-    except ConfigError as err:
-        return err.report()
-    except CompareError as err:
-        print(f"megatron-rlvr compare-replay: {err}", file=sys.stderr)
-        return 2
     except StopRequested as err:
         finished = sum(p.finished() for p in plans)
         print(f"megatron-rlvr compare-replay: {err}; {finished} of {len(plans)} runs finished and "

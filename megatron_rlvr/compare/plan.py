@@ -19,6 +19,7 @@ from pathlib import Path
 
 import yaml
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.compare.analysis import Combo, RunResult, read_metrics
 from megatron_rlvr.config import Config, ConfigError, apply_overrides, load_config, to_yaml
 
@@ -26,7 +27,7 @@ DONE = "DONE"
 COMPARISON = "comparison.yaml"  # the base config and step count the runs in --out belong to
 
 
-class CompareError(RuntimeError):
+class CompareError(UserError, RuntimeError):
     """A comparison that cannot go on, said in one line."""
 
 

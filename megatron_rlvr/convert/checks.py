@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from megatron_rlvr.errors import UserError
+
 # --dtype spellings and the names config.json and the learner use.
 DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "BF16": "bfloat16", "F16": "float16"}
@@ -20,7 +22,7 @@ MODEL_FIELDS = (
 )
 
 
-class ConvertError(ValueError):
+class ConvertError(UserError, ValueError):
     """A conversion that cannot go on, said in one line."""
 
 

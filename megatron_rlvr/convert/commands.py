@@ -232,9 +232,6 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
         else:
             figures = mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config,
                                   max_shard_mb=args.max_shard_mb, **layout)
-    except ConvertError as err:
-        print(f"megatron-rlvr convert: {err}", file=sys.stderr)
-        return 2
     except StopRequested as err:
         print(f"megatron-rlvr convert: {err}; every rank was stopped and no output was left", file=sys.stderr)
         return 130

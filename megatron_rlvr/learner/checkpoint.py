@@ -11,6 +11,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.errors import UserError
+
 log = logging.getLogger(__name__)
 # Layout-independent optimizer state: per-parameter tensors, keys without the chained-optimizer
 # prefix (dense and expert optimizers chain differently in different layouts).
@@ -110,7 +112,7 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
 
 
 # ----------------------------------------------------------------------------- model only
-class ModelCheckpointMismatch(ValueError):
+class ModelCheckpointMismatch(UserError, ValueError):
     """A checkpoint that does not hold this model's tensors, said in one line."""
 
 

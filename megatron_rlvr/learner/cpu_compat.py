@@ -15,13 +15,15 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from megatron_rlvr.errors import UserError
+
 TESTED_MEGATRON_CORE = "0.16.1"
 log = logging.getLogger(__name__)
 
 _state: dict[str, Any] = {"applied": False}  # the mode must outlive apply(); one per process
 
 
-class CpuCompatError(RuntimeError):
+class CpuCompatError(UserError, RuntimeError):
     pass
 
 

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 import torch.distributed as dist
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -34,7 +35,7 @@ ARCHITECTURES: dict[str, Architecture] = {
 }
 
 
-class UnsupportedArchitecture(ValueError):
+class UnsupportedArchitecture(UserError, ValueError):
     pass
 
 
@@ -180,7 +181,7 @@ def _params(module: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 # ----------------------------------------------------------------------------- load
-class CheckpointMismatch(ValueError):
+class CheckpointMismatch(UserError, ValueError):
     pass
 
 

@@ -20,12 +20,13 @@ import math
 import re
 from typing import Any
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 
 Verdict = tuple[float, str]
 
 
-class CodeTestError(ValueError):
+class CodeTestError(UserError, ValueError):
     """A record's tests are in no shape the verifier knows."""
 
 

@@ -18,8 +18,10 @@ import binascii
 import numpy as np
 import torch
 
+from megatron_rlvr.errors import UserError
 
-class RoutedExpertsError(ValueError):
+
+class RoutedExpertsError(UserError, ValueError):
     pass
 
 

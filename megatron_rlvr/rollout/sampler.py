@@ -15,18 +15,18 @@ enough of them ends the run (NothingToLearn) with what the prompts' histories sa
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 from collections import deque
 from typing import Awaitable, Callable
 
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group
 
-class RolloutFailed(RuntimeError):
+class RolloutFailed(UserError, RuntimeError):
     """Every recent group failed: no engine can serve (the run stops instead of spinning)."""
 
 
