@@ -228,7 +228,10 @@ def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_c
         log.close()
     done = rows(metrics)
     assert [m["step"] for m in done] == list(range(1, len(done) + 1)) and len(done) >= killed_at + 3
-    assert done[-1]["rollout/moved_groups"] >= 1  # the killed engine's groups went to the other
+    # killed mid-batch, its groups went to the other engine; killed between batches (it can
+    # happen: the kill is timed by steps), the next sync found it silent and restarted it first
+    text = (tmp_path / "stderr.log").read_text()
+    assert done[-1]["rollout/moved_groups"] >= 1 or "does not answer /health before a weight sync" in text
     assert done[-1]["buffer/dropped_failed"] == 0  # none lost
     assert done[-1]["rollout/engines_serving"] == 2  # restarted, given the weights, serving again
     assert all(m["weight_sync/engine_version"] == m["policy_version"] for m in done)
