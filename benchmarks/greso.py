@@ -68,7 +68,19 @@ def summarise(run: str, seed: int, skipping: bool, rows: list[dict], wall_s: flo
                   sum(r.get("sampler/skipped_prompts", 0) for r in rows), eval_reward, message)
 
 
-def train(run: str, seed: int, skipping: bool, overrides: list[str]) -> Result:
+def train(run: str, seed: int, skipping: bool, overrides: list[str], attempts: int = 2) -> Result:
+    """One run through the CLI; a run that fails (an engine port taken by another process
+    between its choice and its use, say) is started again from scratch, once."""
+    for attempt in range(1, attempts + 1):
+        try:
+            return _train_once(run, seed, skipping, overrides)
+        except RuntimeError as err:
+            if attempt == attempts:
+                raise SystemExit(str(err))
+            print(f"{err}\nstarting it again", flush=True)
+
+
+def _train_once(run: str, seed: int, skipping: bool, overrides: list[str]) -> Result:
     with tempfile.TemporaryDirectory() as out:
         command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(CONFIG), *overrides,
                    f"trainer.seed={seed}", f"buffer.skip_prompts.enabled={str(skipping).lower()}",
@@ -77,7 +89,8 @@ def train(run: str, seed: int, skipping: bool, overrides: list[str]) -> Result:
         done = subprocess.run(command, capture_output=True, text=True)
         wall_s = time.perf_counter() - started
         if done.returncode != 0:
-            raise SystemExit(f"{run} seed {seed} skipping {skipping}: exit {done.returncode}\n{done.stderr[-3000:]}")
+            raise RuntimeError(f"{run} seed {seed} skipping {skipping}: exit {done.returncode}: "
+                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
         metrics = Path(out) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     ended = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "nothing left to learn" in line]
