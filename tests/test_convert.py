@@ -116,6 +116,66 @@ def test_requested_bf16_is_bitwise_after_the_cast_and_close_to_hf_in_bf16(source
     print("bf16", *describe(figures), sep="\n  ")
 
 
+def _real_looking_copy(src: Path, dst: Path, dtype: torch.dtype) -> Path:
+    """A copy with norm weights that are not all ones (a tiny model's are, and survive any cast),
+    every tensor and config.json in dtype, as a checkpoint saved in that dtype is."""
+    from safetensors.torch import save_file
+
+    shutil.copytree(src, dst)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: (1 + 0.1 * torch.randn(t.shape, generator=generator) if name.endswith("norm.weight") else t).to(dtype)
+               for name, t in _read_all(dst / "model.safetensors").items()}
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, "dtype": str(dtype).removeprefix("torch.")}))
+    return dst
+
+
+def _read_dir(model_dir: Path) -> dict[str, torch.Tensor]:
+    return {name: t for f in model_dir.glob("*.safetensors") for name, t in _read_all(f).items()}
+
+
+def test_fp32_to_bf16_megatron_comes_back_bitwise_in_bf16_or_in_the_dtype_asked(sources, tmp_path):
+    """As users run it: an fp32 HF checkpoint converted with --dtype bf16 and back, by the CLI."""
+    src = _real_looking_copy(sources["e4-top2-norm-untied"], tmp_path / "src", torch.float32)
+    source = _read_all(src / "model.safetensors")
+    to_mcore = _cli("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "mcore"), "--dtype", "bf16")
+    assert to_mcore.returncode == 0, to_mcore.stderr
+    assert f"{len(source)}/{len(source)} tensors bitwise equal to the source in bfloat16" in to_mcore.stdout
+    # default: the checkpoint's dtype, bitwise against the bf16 cast of the source
+    back = _cli("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf"))
+    assert back.returncode == 0, back.stderr
+    assert f"{len(source)}/{len(source)} tensors bitwise equal to the source in bfloat16 ({src})" in back.stdout
+    written = _read_dir(tmp_path / "hf")
+    assert written.keys() == source.keys()
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, source[n].to(torch.bfloat16)) for n, t in written.items())
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["dtype"] == "bfloat16"
+    # asked for fp32: the bf16 values, widened (lossless), and config.json says so
+    wide = _cli("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf32"), "--dtype", "fp32")
+    assert wide.returncode == 0, wide.stderr
+    assert "bitwise equal to the source in bfloat16, then float32" in wide.stdout
+    assert all(t.dtype == torch.float32 and torch.equal(t, source[n].to(torch.bfloat16).float())
+               for n, t in _read_dir(tmp_path / "hf32").items())
+    assert json.loads((tmp_path / "hf32" / "config.json").read_text())["dtype"] == "float32"
+
+
+def test_bf16_round_trip_is_bitwise_and_fp32_megatron_exports_bf16_when_asked(sources, world1, tmp_path):
+    src = _real_looking_copy(sources["e4-top2-norm-untied"], tmp_path / "src", torch.bfloat16)
+    to_mcore = hf_to_mcore(src, tmp_path / "mcore")  # config.json says bfloat16: no --dtype needed
+    to_hf = mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
+    assert to_mcore["bitwise_equal"] == to_hf["bitwise_equal"] == to_hf["tensors"] > 0
+    assert to_hf["dtype"] == to_hf["checkpoint_dtype"] == "bfloat16"
+    source = _read_all(src / "model.safetensors")
+    assert all(torch.equal(t, source[n]) for n, t in _read_dir(tmp_path / "hf").items())
+    # an fp32 checkpoint written out in bf16: the bf16 cast of its fp32 source
+    ckpt, _ = world1("e4-top2-norm-untied")
+    narrow = mcore_to_hf(ckpt, tmp_path / "narrow", dtype="bf16")
+    assert narrow["bitwise_equal"] == narrow["tensors"] and narrow["max_logit_diff"] <= narrow["logit_tolerance"]
+    source = _read_all(sources["e4-top2-norm-untied"] / "model.safetensors")
+    assert all(t.dtype == torch.bfloat16 and torch.equal(t, source[n].to(torch.bfloat16))
+               for n, t in _read_dir(tmp_path / "narrow").items())
+
+
 def test_learner_starts_from_a_converted_checkpoint_and_its_checkpoint_converts_back(
         sources, tp2_ep2, tmp_path, monkeypatch):
     """Converted by TP2+EP2, trained at world 1 from a directory without weights, exported."""

@@ -3,7 +3,7 @@
 `megatron-rlvr convert`.
 
     python tools/convert_checkpoint.py hf-to-mcore --hf DIR --out DIR [--tp N --pp N --ep N --etp N] [--dtype bf16|fp32]
-    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--hf-config DIR]
+    python tools/convert_checkpoint.py mcore-to-hf --ckpt DIR --out DIR [--hf-config DIR] [--dtype bf16|fp32]
 """
 
 from __future__ import annotations

@@ -70,8 +70,8 @@ def _probe_tokens(vocab_size: int) -> list[list[int]]:
 
 def _compare_logits(workdir: Path, hf_dir: Path, tokens: list, dtype: str, *, strict_keys: bool) -> dict:
     """Runs the tokens through HF transformers from hf_dir and compares with the logits the
-    ranks computed. strict_keys: the directory is our output, so every tensor transformers
-    expects must be there and none other."""
+    ranks computed, both in dtype. strict_keys: the directory is our output, so every tensor
+    transformers expects must be there and none other."""
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
@@ -119,6 +119,7 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
         figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         if verify:
             _require_bitwise(figures)
+            figures["compared_as"] = target  # the source cast to the checkpoint's dtype
             figures.update(_compare_logits(workdir, hf, tokens, target, strict_keys=False))
         copy_side_files(hf, out / "hf")
         layout = parallel.model_dump(include={"tp", "pp", "ep", "etp", "dp"})
@@ -128,12 +129,14 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
 
 
 def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | None = None,
-                tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, verify: bool = True,
-                device: str | None = None, max_shard_mb: float = 5000.0, stop: StopSignals | None = None) -> dict:
+                tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, dtype: str | None = None,
+                verify: bool = True, device: str | None = None, max_shard_mb: float = 5000.0,
+                stop: StopSignals | None = None) -> dict:
     """Megatron checkpoint (a converted one, or a learner checkpoint with --hf-config) → HF
-    safetensors shards with their index, config and tokenizer files. Returns the verify
-    figures; a checkpoint converted from HF whose source is still there is also compared
-    with it tensor by tensor."""
+    safetensors shards with their index, config and tokenizer files, in dtype (--dtype
+    spelling; default: the checkpoint's, the dtype holding most of its elements). Returns the
+    verify figures; a checkpoint converted from HF whose source is still there is also compared
+    with it tensor by tensor: the source cast to the checkpoint's dtype, then to the output's."""
     from megatron_rlvr.convert.hf_files import copy_side_files
     from megatron_rlvr.convert.launch import resolve_layout, run_ranks
 
@@ -156,18 +159,34 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | No
     tokens = _probe_tokens(config.vocab_size)
     with _output(out) as workdir:
         job = {"command": "mcore-to-hf", "ckpt": str(ckpt), "hf_config": str(config_dir),
-               "out": str(out), "verify": verify, "tokens": tokens,
+               "out": str(out), "verify": verify, "tokens": tokens, "dtype": DTYPES[dtype] if dtype else None,
                "max_shard_bytes": int(max_shard_mb * 2**20)}
         figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         copy_side_files(config_dir, out, dtype=figures["dtype"])
         if verify:
             figures.update(_compare_logits(workdir, out, tokens, figures["dtype"], strict_keys=True))
-            figures.update(_round_trip(ckpt, out, figures["dtype"], config.tie_word_embeddings))
+            figures.update(_round_trip(ckpt, out, figures["checkpoint_dtype"], figures["dtype"],
+                                       config.tie_word_embeddings))
     return figures
 
 
-def _round_trip(ckpt: Path, out: Path, dtype: str, tied: bool) -> dict:
-    """For a checkpoint written by hf-to-mcore: every tensor of the output against its source."""
+class _CastReader:
+    """An HF reader whose tensors come cast to dtype: what a checkpoint in that dtype holds
+    of them."""
+
+    def __init__(self, reader, dtype):
+        self.reader, self.dtype = reader, dtype
+
+    def names(self) -> set[str]:
+        return self.reader.names()
+
+    def get(self, name: str):
+        return self.reader.get(name).to(self.dtype)
+
+
+def _round_trip(ckpt: Path, out: Path, stored: str, written: str, tied: bool) -> dict:
+    """For a checkpoint written by hf-to-mcore: every tensor of the output against its source
+    cast to the checkpoint's dtype (stored), then to the output's (written)."""
     import torch
 
     from megatron_rlvr.convert.hf_files import compare_bitwise
@@ -178,10 +197,12 @@ def _round_trip(ckpt: Path, out: Path, dtype: str, tied: bool) -> dict:
     if source is None or not any(source.glob("*.safetensors")):
         return {"round_trip": "no HF source recorded or found: tensors not compared"}
     produced = HFReader(out)
-    figures = compare_bitwise(((n, produced.get(n)) for n in sorted(produced.names())), HFReader(source),
-                              getattr(torch, dtype), tied=tied, label=str(source))
+    figures = compare_bitwise(((n, produced.get(n)) for n in sorted(produced.names())),
+                              _CastReader(HFReader(source), getattr(torch, stored)), getattr(torch, written),
+                              tied=tied, label=str(source))
     _require_bitwise(figures)
-    return {**figures, "round_trip": str(source)}
+    compared_as = stored if stored == written else f"{stored}, then {written}"
+    return {**figures, "round_trip": str(source), "compared_as": compared_as}
 
 
 # ----------------------------------------------------------------------------- command line
@@ -198,6 +219,8 @@ def add_parser(sub) -> None:
     to_hf.add_argument("--ckpt", required=True, help="Megatron checkpoint (converted, or a learner's)")
     to_hf.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     to_hf.add_argument("--hf-config", help="HF config and tokenizer directory; default: the checkpoint's own")
+    to_hf.add_argument("--dtype", choices=sorted(DTYPES),
+                       help="weights dtype; default: the checkpoint's (the dtype holding most of its elements)")
     to_hf.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file")
     for parser in (to_mcore, to_hf):
         for flag, meaning in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
@@ -212,8 +235,9 @@ def describe(figures: dict) -> list[str]:
     """The verify figures as lines for people."""
     lines = []
     if "tensors" in figures:
+        compared_as = f" in {figures['compared_as']}" if "compared_as" in figures else ""
         lines.append(f"verify: {figures['bitwise_equal']}/{figures['tensors']} tensors bitwise equal "
-                     f"to the source ({figures.get('round_trip', 'after reloading the saved checkpoint')})")
+                     f"to the source{compared_as} ({figures.get('round_trip', 'after reloading the saved checkpoint')})")
     elif "round_trip" in figures:
         lines.append(f"verify: {figures['round_trip']}")
     if "max_logit_diff" in figures:
@@ -230,7 +254,7 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
         if args.direction == "hf-to-mcore":
             figures = hf_to_mcore(args.hf, args.out, dtype=args.dtype, **layout)
         else:
-            figures = mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config,
+            figures = mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
                                   max_shard_mb=args.max_shard_mb, **layout)
     except StopRequested as err:
         print(f"megatron-rlvr convert: {err}; every rank was stopped and no output was left", file=sys.stderr)

@@ -148,32 +148,43 @@ def hf_to_mcore(job: dict) -> dict:
 
 
 def checkpoint_dtype(ckpt: str):
-    """The dtype of the model's weights in a Megatron checkpoint (the widest, should they differ)."""
-    import torch
+    """The dtype of a Megatron checkpoint's model weights: the one holding most of their
+    elements (a bf16 model keeps its norms in fp32; optimizer state does not count)."""
+    import math
+    from collections import Counter
+
     from megatron.core import dist_checkpointing
 
     metadata = dist_checkpointing.load_tensors_metadata(ckpt)
-    dtypes = {t.dtype for key, t in metadata.items() if not key.startswith("optimizer.")}
-    return max(dtypes, key=lambda d: torch.finfo(d).bits)
+    elements = Counter()
+    for key, tensor in metadata.items():
+        if not key.startswith("optimizer."):
+            elements[tensor.dtype] += math.prod(tensor.global_shape)
+    return elements.most_common(1)[0][0]
 
 
 def mcore_to_hf(job: dict) -> dict:
-    """Loads the Megatron checkpoint (any layout it was saved in) and streams the model out as
-    HF safetensors files, rank 0 writing; verify computes logits."""
+    """Loads the Megatron checkpoint (any layout it was saved in) into a model of the dtype
+    asked for (default: the checkpoint's; loading casts) and streams the model out as HF
+    safetensors files in that dtype, rank 0 writing; verify computes logits in it, as HF
+    transformers will."""
+    import torch
+
     from megatron_rlvr.convert.hf_files import ShardedSafetensors
     from megatron_rlvr.learner.checkpoint import load_model
     from megatron_rlvr.learner.model import export_hf_weights, read_hf_config
 
     hf_config = read_hf_config(job["hf_config"])
-    dtype = checkpoint_dtype(job["ckpt"])
-    bridge, modules = _build(hf_config, job["parallel"]["device"], dtype)
+    stored = checkpoint_dtype(job["ckpt"])
+    written = getattr(torch, job["dtype"]) if job.get("dtype") else stored
+    bridge, modules = _build(hf_config, job["parallel"]["device"], written)
     load_model(modules, job["ckpt"])
     export = _by_layer(export_hf_weights(modules, bridge), hf_config.num_hidden_layers, "writing")
-    result = {"dtype": str(dtype).removeprefix("torch.")}
+    result = {"dtype": str(written).removeprefix("torch."), "checkpoint_dtype": str(stored).removeprefix("torch.")}
     if int(os.environ["RANK"]) == 0:
         writer = ShardedSafetensors(job["out"], job["max_shard_bytes"])
         for name, tensor in export:
-            writer.add(name, tensor)
+            writer.add(name, tensor.to(written))  # a bf16 model keeps its norms in fp32
         result["files"] = writer.close()
     else:
         for _ in export:
