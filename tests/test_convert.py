@@ -159,7 +159,7 @@ def test_fp32_to_bf16_megatron_comes_back_bitwise_in_bf16_or_in_the_dtype_asked(
     assert json.loads((tmp_path / "hf32" / "config.json").read_text())["dtype"] == "float32"
 
 
-def test_bf16_round_trip_is_bitwise_and_fp32_megatron_exports_bf16_when_asked(sources, world1, tmp_path):
+def test_bf16_round_trip_is_bitwise_and_fp32_megatron_exports_bf16_when_asked(sources, tmp_path):
     src = _real_looking_copy(sources["e4-top2-norm-untied"], tmp_path / "src", torch.bfloat16)
     to_mcore = hf_to_mcore(src, tmp_path / "mcore")  # config.json says bfloat16: no --dtype needed
     to_hf = mcore_to_hf(tmp_path / "mcore", tmp_path / "hf")
@@ -167,11 +167,13 @@ def test_bf16_round_trip_is_bitwise_and_fp32_megatron_exports_bf16_when_asked(so
     assert to_hf["dtype"] == to_hf["checkpoint_dtype"] == "bfloat16"
     source = _read_all(src / "model.safetensors")
     assert all(torch.equal(t, source[n]) for n, t in _read_dir(tmp_path / "hf").items())
-    # an fp32 checkpoint written out in bf16: the bf16 cast of its fp32 source
-    ckpt, _ = world1("e4-top2-norm-untied")
-    narrow = mcore_to_hf(ckpt, tmp_path / "narrow", dtype="bf16")
+    # an fp32 checkpoint written out in bf16: the bf16 cast of its fp32 source, norms included
+    src32 = _real_looking_copy(sources["e4-top2-norm-untied"], tmp_path / "src32", torch.float32)
+    hf_to_mcore(src32, tmp_path / "mcore32")
+    narrow = mcore_to_hf(tmp_path / "mcore32", tmp_path / "narrow", dtype="bf16")
     assert narrow["bitwise_equal"] == narrow["tensors"] and narrow["max_logit_diff"] <= narrow["logit_tolerance"]
-    source = _read_all(sources["e4-top2-norm-untied"] / "model.safetensors")
+    assert narrow["compared_as"] == "float32, then bfloat16"
+    source = _read_all(src32 / "model.safetensors")
     assert all(t.dtype == torch.bfloat16 and torch.equal(t, source[n].to(torch.bfloat16))
                for n, t in _read_dir(tmp_path / "narrow").items())
 
