@@ -76,7 +76,7 @@ def train(run: str, seed: int, skipping: bool, overrides: list[str], attempts: i
             return _train_once(run, seed, skipping, overrides)
         except RuntimeError as err:
             if attempt == attempts:
-                raise SystemExit(str(err))
+                raise SystemExit(str(err)) from err
             print(f"{err}\nstarting it again", flush=True)
 
 

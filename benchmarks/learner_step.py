@@ -13,15 +13,14 @@ import tempfile
 import time
 
 import torch
+from _common import step_benchmark_args
 
 from megatron_rlvr.algo.losses import policy_loss
-from _common import step_benchmark_args
 from megatron_rlvr.config import TinyModel, load_config
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.learner import Learner
 from megatron_rlvr.learner.parallel import Rendezvous, free_port, init_parallel
 from megatron_rlvr.tiny_model import build_tiny_hf_model
-
 
 
 class HFStep:

@@ -14,8 +14,8 @@ import tempfile
 import time
 
 import torch
-
 from _common import step_benchmark_args
+
 from megatron_rlvr.config import TinyModel, load_config
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.learner import Learner

@@ -73,7 +73,7 @@ def receiver(rank: int, world: int, port: int, repeats: int) -> None:
     bucket_plans = {mb: plan(params, mb) for mb in BUCKET_MB}
     for bucket_mb in BUCKET_MB:
         for _ in range(repeats):
-            phase(group, lambda: [model[name].copy_(view) for names, dtype, shapes in bucket_plans[bucket_mb]
+            phase(group, lambda mb=bucket_mb: [model[name].copy_(view) for names, dtype, shapes in bucket_plans[mb]
                                   for name, view in zip(names, receive_bucket(group, [dtype] * len(names), shapes, None))])
             phase(group, lambda: broadcast(group, torch.empty(total, dtype=torch.uint8)))
             phase(group, lambda: [model[name].copy_(tensor) for (name, _), tensor in zip(params, receive_tensors(
@@ -108,8 +108,8 @@ def main() -> None:
         times = {"flattened": [], "single": [], "per_tensor": []}
         blob = torch.empty(total, dtype=torch.uint8)
         for _ in range(args.repeats):
-            times["flattened"].append(phase(group, lambda: send_flattened(group, params, bucket_mb)))
-            times["single"].append(phase(group, lambda: broadcast(group, blob)))
+            times["flattened"].append(phase(group, lambda mb=bucket_mb: send_flattened(group, params, mb)))
+            times["single"].append(phase(group, lambda blob=blob: broadcast(group, blob)))
             times["per_tensor"].append(phase(group, lambda: [broadcast(group, t) for _, t in params]))
         rows.append((bucket_mb, *(statistics.median(times[k]) for k in ("flattened", "single", "per_tensor"))))
     for proc in procs:

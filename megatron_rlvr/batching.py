@@ -9,7 +9,7 @@ import torch
 
 from megatron_rlvr.algo.advantages import group_advantages
 from megatron_rlvr.learner.batch import TrainBatch
-from megatron_rlvr.rollout.routed_experts import pack_routed_experts
+from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, pack_routed_experts
 from megatron_rlvr.samples import Group
 
 
@@ -39,8 +39,11 @@ def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0
     batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout)
     if routing is not None:
         layers, top_k = routing
+        missing = [f"{s.group_id}/{s.index}" for s in samples if s.routed_experts is None]
+        if missing:
+            raise RoutedExpertsError(f"sample {missing[0]}: the engine returned no routed_experts")
         batch.routed_experts = pack_routed_experts(
-            [s.routed_experts for s in samples], [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+            [s.routed_experts for s in samples if s.routed_experts is not None], [len(s.prompt_ids) + len(s.response_ids) for s in samples],
             width, num_layers=layers, top_k=top_k, sample_ids=[f"{s.group_id}/{s.index}" for s in samples])
     return spread_over_slots(batch, slots, micro_batch_size)
 
@@ -57,7 +60,8 @@ def spread_over_slots(batch: TrainBatch, slots: int, micro_batch_size: int | Non
     if per_slot * slots == rows:
         return batch
     base, extra = divmod(rows, slots)
-    index, real = [], []
+    index: list[int] = []
+    real: list[int] = []
     cursor = 0
     for slot in range(slots):
         take = base + (slot < extra)

@@ -12,6 +12,7 @@ from megatron_rlvr.errors import UserError, original
 from megatron_rlvr.launch import slurm
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="megatron-rlvr",

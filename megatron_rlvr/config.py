@@ -17,10 +17,22 @@ from typing import Annotated, Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, Field, ValidationError, model_validator
 
-from megatron_rlvr.config_base import ConfigError, PositiveInt, Section, raise_problems as _raise
-from megatron_rlvr.config_data import ArithmeticData, ArithmeticSource, EvalConfig, FileData, FileSource, VerifierConfig
+from megatron_rlvr.config_base import ConfigError, PositiveInt, Section
+from megatron_rlvr.config_base import raise_problems as _raise
+
 # the rest of the data, verifier and eval sections, so that the whole tree imports from here
-from megatron_rlvr.config_data import BUILTIN_VERIFIERS, DATA_FORMATS, CodeVerifierConfig, PromptFormat  # noqa: F401
+from megatron_rlvr.config_data import (  # noqa: F401
+    BUILTIN_VERIFIERS,
+    DATA_FORMATS,
+    ArithmeticData,
+    ArithmeticSource,
+    CodeVerifierConfig,
+    EvalConfig,
+    FileData,
+    FileSource,
+    PromptFormat,
+    VerifierConfig,
+)
 
 # HF `model_type`s the learner's architecture registry can build. Kept here (not imported
 # from learner/) so that validating a config never imports Megatron.
@@ -110,9 +122,9 @@ def model_dims(model: TinyModel | HFModel) -> ModelDims:
     try:
         hf = json.loads(config_path.read_text())
     except FileNotFoundError:
-        raise ConfigError([f"model.path = {model.path!r}: no config.json in that directory"])
+        raise ConfigError([f"model.path = {model.path!r}: no config.json in that directory"]) from None
     except (OSError, json.JSONDecodeError) as err:
-        raise ConfigError([f"model.path = {model.path!r}: cannot read config.json ({err})"])
+        raise ConfigError([f"model.path = {model.path!r}: cannot read config.json ({err})"]) from err
     model_type = hf.get("model_type")
     if model_type not in SUPPORTED_MODEL_TYPES:
         raise ConfigError(
@@ -133,7 +145,7 @@ def model_dims(model: TinyModel | HFModel) -> ModelDims:
             num_experts_per_tok=hf["num_experts_per_tok"],
         )
     except KeyError as err:
-        raise ConfigError([f"model.path = {model.path!r}: config.json lacks {err.args[0]!r}"])
+        raise ConfigError([f"model.path = {model.path!r}: config.json lacks {err.args[0]!r}"]) from err
 
 
 # ----------------------------------------------------------------------------- parallel
@@ -396,13 +408,74 @@ class Config(Section):
     launch: LaunchConfig = Field(default_factory=LaunchConfig)
 
 
+# ----------------------------------------------------------------------------- resolved
+# What resolve() returns: the same tree with every value it fills no longer Optional, so code
+# that runs after it reads `cfg.parallel.dp` as an int, not `int | None`.
+class ResolvedParallel(ParallelConfig):
+    etp: PositiveInt
+    dp: PositiveInt
+    sequence_parallel: bool
+
+
+class ResolvedAlgo(AlgoConfig):
+    clip_low: float
+    clip_high: float
+
+
+class ResolvedRollout(RolloutConfig):
+    return_routed_experts: bool
+    seeded_sampling: bool
+
+
+class ResolvedBuffer(BufferConfig):
+    max_generated_groups_per_step: PositiveInt
+
+
+class ResolvedWeightSync(WeightSyncConfig):
+    backend: Literal["gloo", "nccl"]
+    checksum: bool
+    parity_tolerance: float | None
+
+
+class ResolvedFileSource(FileSource):
+    prompt_key: str
+    answer_key: str
+    verifier_key: str
+    data_source_key: str
+    id_key: str
+    extra_key: str
+
+
+class ResolvedFileData(ResolvedFileSource, FileData):
+    """data of type file after resolve(): every key named."""
+
+
+ResolvedDataSource = Annotated[ArithmeticSource | ResolvedFileSource, Field(discriminator="type")]
+
+
+class ResolvedEval(EvalConfig):
+    sets: dict[str, ResolvedDataSource]  # type: ignore[assignment]  # narrower values: resolve() made them
+
+
+class ResolvedConfig(Config):
+    """A Config after resolve(): the type everything past loading reads."""
+
+    parallel: ResolvedParallel
+    algo: ResolvedAlgo
+    rollout: ResolvedRollout
+    buffer: ResolvedBuffer
+    weight_sync: ResolvedWeightSync
+    data: Annotated[ArithmeticData | ResolvedFileData, Field(discriminator="type")]
+    eval: ResolvedEval
+
+
 # ----------------------------------------------------------------------------- checks
-def data_sources(cfg: Config) -> list[tuple[str, ArithmeticSource | FileSource]]:
+def data_sources(cfg: ResolvedConfig) -> list[tuple[str, ArithmeticSource | ResolvedFileSource]]:
     """(dotted name, source) of the training data and of every eval set."""
     return [("data", cfg.data), *((f"eval.sets.{name}", s) for name, s in cfg.eval.sets.items())]
 
 
-def _cross_field_problems(cfg: Config, dims: ModelDims, dp_derived: bool = False) -> list[str]:
+def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool = False) -> list[str]:
     """Checks that span sections; run on the resolved config. A check on a derived value
     (dp, from ep) is skipped when what it derives from is already wrong: an error names only
     what the user got wrong."""
@@ -538,7 +611,7 @@ def _engine_python_problems(python: str, backend: str) -> list[str]:
     return []
 
 
-def resolve(cfg: Config) -> Config:
+def resolve(cfg: Config) -> ResolvedConfig:
     """Fills every derived value (clip ranges per loss kind, etp, sequence parallel, routed
     expert capture), then runs the cross-section checks. Returns a new config."""
     cfg = cfg.model_copy(deep=True)
@@ -575,11 +648,12 @@ def resolve(cfg: Config) -> Config:
     if sync.parity_tolerance == "auto":
         dtypes = {engine.dtype, cfg.trainer.dtype}
         sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)
-    for _, source in data_sources(cfg):
+    for source in [cfg.data, *cfg.eval.sets.values()]:
         if isinstance(source, FileSource):
             source.fill_keys()
-    _raise(_cross_field_problems(cfg, model_dims(cfg.model), dp_derived))
-    return cfg
+    resolved = ResolvedConfig.model_validate(cfg.model_dump())
+    _raise(_cross_field_problems(resolved, model_dims(resolved.model), dp_derived))
+    return resolved
 
 
 # ----------------------------------------------------------------------------- loading
@@ -686,7 +760,7 @@ def _format_validation_error(err: ValidationError) -> list[str]:
     return lines
 
 
-def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> ResolvedConfig:
     """YAML file (or defaults when None) + dotted overrides → validated, resolved Config.
     Raises ConfigError with one line per problem."""
     raw: dict = {}
@@ -694,20 +768,20 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         try:
             text = Path(path).read_text()
         except OSError as err:
-            raise ConfigError([f"config file {str(path)!r}: {err.strerror}"])
+            raise ConfigError([f"config file {str(path)!r}: {err.strerror}"]) from err
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as err:
             mark = getattr(err, "problem_mark", None)
             where = f" line {mark.line + 1}" if mark else ""
-            raise ConfigError([f"config file {str(path)!r}{where}: not valid YAML"])
+            raise ConfigError([f"config file {str(path)!r}{where}: not valid YAML"]) from None
         if not isinstance(raw, dict):
             raise ConfigError([f"config file {str(path)!r}: top level must be a mapping"])
     raw = apply_overrides(raw, list(overrides))
     try:
         cfg = Config.model_validate(raw)
     except ValidationError as err:
-        raise ConfigError(_format_validation_error(err))
+        raise ConfigError(_format_validation_error(err)) from err
     return resolve(cfg)
 
 

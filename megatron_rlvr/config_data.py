@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from megatron_rlvr.config_base import PositiveInt, Section, raise_problems as _raise
-
+from megatron_rlvr.config_base import PositiveInt, Section
+from megatron_rlvr.config_base import raise_problems as _raise
 
 # ----------------------------------------------------------------------------- verifier
 # Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in

@@ -14,10 +14,10 @@ import hashlib
 import math
 import statistics
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rollout import protocol as p
@@ -39,7 +39,7 @@ class EvalSet:
 
 
 class Evaluator:
-    def __init__(self, cfg: Config, sets: list[EvalSet], manager: RolloutManager,
+    def __init__(self, cfg: ResolvedConfig, sets: list[EvalSet], manager: RolloutManager,
                  score: Callable[..., Awaitable[list[float]]], decode: Callable[[list[int]], str],
                  stop_token_ids: list[int] | None, max_in_flight: int = 64):
         """score(responses, record, count=False) → rewards: the run's verifier pool."""
@@ -99,7 +99,7 @@ class Evaluator:
                 next_index += 1
             try:
                 group = await asyncio.wait_for(queue.get(), self.wait_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TimeoutError(f"evaluation of eval.sets.{eval_set.name}: no group came back from the engines "
                                    f"in {self.wait_s:.0f} s ({len(submitted)} in flight)") from None
             index = submitted.pop(group.group_id)
@@ -127,7 +127,7 @@ class Evaluator:
         return out
 
 
-def build_evaluator(cfg: Config, renderer, manager: RolloutManager, score, decode,
+def build_evaluator(cfg: ResolvedConfig, renderer, manager: RolloutManager, score, decode,
                     stop_token_ids: list[int] | None, loaded: dict) -> Evaluator | None:
     """The run's evaluator, or None without eval sets. loaded: dotted name → LoadedPrompts."""
     if not cfg.eval.sets:

@@ -72,6 +72,7 @@ class RunReport:
                    config=cfg.model_dump(mode="json"), once=once)
 
     def _to_tensorboard(self, metrics: dict) -> None:
+        assert self.tb is not None  # called only with TensorBoard on
         for key, value in metrics.items():
             if isinstance(value, (int, float)) and key != "step":
                 self.tb.add_scalar(key, value, metrics["step"])

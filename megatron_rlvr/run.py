@@ -24,15 +24,16 @@ import tempfile
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from megatron_rlvr.errors import UserError
-from megatron_rlvr.config import Config, HFModel, TinyModel
+from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
+    from megatron_rlvr.evaluation import Evaluator
     from megatron_rlvr.launch.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class RunError(UserError, RuntimeError):
     """A run that cannot start or resume, said in one line."""
 
 
-def prepare_model(cfg: Config) -> tuple[Path, object]:
+def prepare_model(cfg: ResolvedConfig) -> tuple[Path, Any]:
     """(HF model dir, tokenizer). The tiny default is created once under output_dir/model:
     a character tokenizer for the task and a random Qwen3-MoE sized to it."""
     from transformers import AutoTokenizer
@@ -91,19 +92,20 @@ class LoopThread:
 
 @dataclass
 class Run:
-    cfg: Config
+    cfg: ResolvedConfig
     model_dir: Path
-    tokenizer: object
+    tokenizer: Any  # transformers' AutoTokenizer
     stop: StopSignals
     rollout: LoopThread = field(default_factory=LoopThread)
-    engines: object = None
-    learners: object = None
+    # the components _start() makes, in this order (None until then: _teardown stops those made)
+    engines: Any = None  # launch.engines.EngineFleet
+    learners: Any = None  # launch.learners.LearnerGroup
     clients: list = field(default_factory=list)
-    manager: object = None
-    buffer: object = None
-    verifiers: object = None
-    sampler: object = None
-    evaluator: object = None  # evaluation.Evaluator when eval.sets are given
+    manager: Any = None  # rollout.manager.RolloutManager
+    buffer: Any = None  # buffer.buffer.Buffer, through an AsyncProxy
+    verifiers: Any = None  # launch.verifiers.VerifierPool
+    sampler: Any = None  # rollout.sampler.ActiveSampler
+    evaluator: Evaluator | None = None  # when eval.sets are given
     data_stats: dict = field(default_factory=dict)  # data/* counts, logged once
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
@@ -129,6 +131,7 @@ class Run:
         from megatron_rlvr.rollout.manager import EnginesNeedWeights
 
         while True:
+            assert self.pending is not None, "request_batch() comes first"
             try:
                 groups = self.stop.result(self.pending, "the next batch of rollouts")
                 self.pending = None
@@ -167,10 +170,12 @@ class Run:
         async def rollout_state() -> dict:
             # an async run's next batch, if already drawn from the buffer, is part of the
             # state: a resumed run trains on it rather than counting a second one as used
-            ready = self.pending is not None and self.pending.done() and self.pending.exception() is None
+            pending = self.pending
+            ready = pending is not None and pending.done() and pending.exception() is None
             return {"step": step, "version": self.version, "sampler": self.sampler.state(),
                     "buffer": await self.buffer.state(), "manager": dict(self.manager.stats),
-                    "trained_groups": self.trained_groups, "next_batch": self.pending.result() if ready else None}
+                    "trained_groups": self.trained_groups,
+                    "next_batch": pending.result() if pending is not None and ready else None}
 
         self._rollout_snapshot = self.rollout.run(rollout_state())
         self.finished_step = step
@@ -230,7 +235,7 @@ class Run:
 
 
 @contextlib.contextmanager
-def open_run(cfg: Config, stop: StopSignals):
+def open_run(cfg: ResolvedConfig, stop: StopSignals):
     """Starts every component (a stop request during start-up ends it at the next wait);
     stops every one of them on exit, error or stop request."""
     from megatron_rlvr.launch.placement import placement_for

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from megatron_rlvr.config import Config, ConfigError
+from megatron_rlvr.config import ConfigError, ResolvedConfig
 
 METRICS = "metrics.jsonl"
 CHECKPOINT = "checkpoint"
@@ -57,7 +57,7 @@ def inspect(output_dir: str | Path) -> RunDir:
     return RunDir(path, last, step)
 
 
-def check_output_dir(cfg: Config) -> RunDir:
+def check_output_dir(cfg: ResolvedConfig) -> RunDir:
     """Refuses (ConfigError, one line) to start a new run in a folder that holds one; with
     trainer.resume the folder is the run to continue. Returns what the folder holds."""
     found = inspect(cfg.trainer.output_dir)
@@ -69,7 +69,7 @@ def check_output_dir(cfg: Config) -> RunDir:
     return found
 
 
-def finished_message(cfg: Config, found: RunDir) -> str | None:
+def finished_message(cfg: ResolvedConfig, found: RunDir) -> str | None:
     """When resuming a run whose checkpoint already holds every step asked for: what to say."""
     if cfg.trainer.resume and found.checkpoint_step is not None and found.checkpoint_step >= cfg.trainer.steps:
         return (f"the run in {cfg.trainer.output_dir} already finished: its checkpoint is of step "

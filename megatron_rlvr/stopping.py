@@ -15,7 +15,8 @@ import concurrent.futures
 import signal
 import threading
 import time
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 T = TypeVar("T")
 POLL_S = 0.2  # how often a blocking wait looks at the stop request

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_rlvr.batching import groups_to_batch
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.reporting import RunReport
 from megatron_rlvr.rollout.sampler import NothingToLearn
 from megatron_rlvr.run import Run, open_run
@@ -27,7 +27,7 @@ class Outcome:
     teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
 
 
-def train(cfg: Config, stop: StopSignals | None = None) -> Outcome:
+def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
     """Runs the loop until trainer.steps, a stop request (StopRequested, after a checkpoint of
     the last finished step unless the request was urgent) or a data set with nothing left to
     teach (the outcome says so, after a checkpoint)."""

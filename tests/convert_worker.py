@@ -17,8 +17,8 @@ import sys
 from pathlib import Path
 
 import torch
-
 from learner_worker import BASE, fixed_batch, hf_logprobs, with_rl_fields
+
 from megatron_rlvr.config import load_config
 from megatron_rlvr.learner.checkpoint import save_checkpoint
 from megatron_rlvr.learner.learner import Learner

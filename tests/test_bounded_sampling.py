@@ -7,9 +7,9 @@ from collections import Counter
 
 import pytest
 import torch
-
 from distributed import run_ranks
 from engine_fixtures import start_engine
+
 from megatron_rlvr.batching import spread_over_slots
 from megatron_rlvr.buffer.buffer import Buffer
 from megatron_rlvr.data import PromptRecord

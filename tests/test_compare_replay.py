@@ -114,7 +114,10 @@ def _fake_slurm(tmp_path: Path, state: str) -> Path:
 def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path):
     out = tmp_path / "out"
     args = [PRESET, "--modes", "none,r3", "--steps", "3", "--out", out, "--submit"]
-    env = lambda state: dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
+
+    def env(state: str) -> dict:
+        return dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
+
     first = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
                            cwd=REPO, capture_output=True, text=True, env=env("RUNNING"), timeout=300)
     assert first.returncode == 0, first.stderr

@@ -110,7 +110,7 @@ def test_every_problem_is_reported_not_just_the_first():
 
 
 def test_hf_model_path_errors(tmp_path):
-    base = ["model={type: hf, path: %s}" % tmp_path]
+    base = [f"model={{type: hf, path: {tmp_path}}}"]
     assert "no config.json" in _problems(base)[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
     assert "model_type 'llama' is not supported (supported: qwen3_moe)" in _problems(base)[0]

@@ -10,10 +10,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import distributed
 import pytest
 import torch
 
-import distributed
 from megatron_rlvr.config import TinyModel
 from megatron_rlvr.convert.checks import ConvertError
 from megatron_rlvr.convert.commands import describe, hf_to_mcore, mcore_to_hf

@@ -8,13 +8,13 @@ import time
 import httpx
 import pytest
 import torch
-
 from engine_fixtures import hf_teacher_forced, start_engine
+
 from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError
-from megatron_rlvr.weight_sync.transport import broadcast, open_group
 from megatron_rlvr.weight_sync.buckets import bucket_checksum
+from megatron_rlvr.weight_sync.transport import broadcast, open_group
 
 
 @pytest.fixture(scope="module")

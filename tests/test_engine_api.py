@@ -12,13 +12,12 @@ import httpx
 import numpy as np
 import pytest
 import torch
-
 from engine_fixtures import hf_teacher_forced, start_engine, start_sglang, start_sglang_cuda
+
 from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.rollout.routed_experts import decode_routed_experts
 from megatron_rlvr.weight_sync.syncer import WeightSyncer
-
 
 STARTERS = {"cpu": start_engine, "sglang": start_sglang, "sglang_cuda": start_sglang_cuda}
 

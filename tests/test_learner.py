@@ -4,7 +4,6 @@ built here: parity with HF transformers and with world size 1, export, checkpoin
 
 import pytest
 import torch
-
 from distributed import run_ranks
 
 LAYOUTS = {

@@ -11,7 +11,16 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.config import Config, LaunchConfig
-from megatron_rlvr.launch.placement import PLACEMENTS, InProcess, LocalHandle, RayActors, Role, call_all, close_all, placement_for
+from megatron_rlvr.launch.placement import (
+    PLACEMENTS,
+    InProcess,
+    LocalHandle,
+    RayActors,
+    Role,
+    call_all,
+    close_all,
+    placement_for,
+)
 
 PACKAGE = Path(__file__).resolve().parents[1] / "megatron_rlvr"
 

@@ -6,8 +6,8 @@ import signal
 import time
 
 import pytest
-
 from engine_fixtures import start_engine
+
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.rollout.manager import EnginesNeedWeights, PromptItem, RolloutManager, RoutingShape

@@ -6,8 +6,8 @@ import base64
 import numpy as np
 import pytest
 import torch
-
 from distributed import run_ranks
+
 from megatron_rlvr.learner.routing_replay import local_token_order, replay_valid_mask
 from megatron_rlvr.rollout.routed_experts import (
     RoutedExpertsError,

@@ -19,8 +19,8 @@ import httpx
 import psutil
 import pytest
 import torch
-
 from engine_fixtures import REPO, hf_teacher_forced, sglang_process, sglang_python, start_sglang
+
 from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.rollout.launcher import EngineStartError
@@ -131,7 +131,6 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
     """SGLang 0.5.23 runs tp 2 on CPU (a core set per rank); the group is then world 3 with the
     engine's ranks at offsets 1 and 2, and after a sync both ranks' shards are the new weights."""
     from safetensors.torch import load_file
-
     from test_engine_api import updated_model_dir
 
     server = start_sglang(tiny_hf_dir, tmp_path, tp=2)

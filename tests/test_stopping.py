@@ -150,7 +150,7 @@ def test_signals_at_random_moments(tmp_path):
         mode = rng.choice(["ray", "local"])
         started = time.monotonic()
         print(f"run {attempt}: {mode}, {sig.name} after {delay:.1f} s")
-        stop_and_resume(tmp_path / str(attempt), mode, sig, lambda out: time.monotonic() - started >= delay)
+        stop_and_resume(tmp_path / str(attempt), mode, sig, lambda out, started=started, delay=delay: time.monotonic() - started >= delay)
 
 
 def test_a_second_signal_ends_at_once_without_a_checkpoint(tmp_path):

@@ -7,9 +7,9 @@ import time
 import httpx
 import pytest
 import torch
-
 from distributed import run_ranks
 from engine_fixtures import start_engine
+
 from megatron_rlvr.config import WeightSyncConfig, load_config
 from megatron_rlvr.launch.learners import engine_ranks
 from megatron_rlvr.rollout.client import EngineClient

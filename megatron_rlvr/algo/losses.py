@@ -9,7 +9,7 @@ reach the loss or its gradient.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

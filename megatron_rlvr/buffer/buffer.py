@@ -22,7 +22,7 @@ DROP_REASONS = ("zero_std", "stale", "failed", "aborted", "unscored", "too_small
 
 def group_version(group: Group) -> int:
     """The oldest policy version that produced any token of the group."""
-    versions = []
+    versions: list[int] = []
     for sample in group.samples:
         spans = sample.weight_versions or [{"version": sample.weight_version}]
         versions.extend(int(span["version"]) for span in spans)
@@ -47,7 +47,7 @@ class Buffer:
             return "unscored"
         if len(group.samples) < self.min_group_size:
             return "too_small"
-        rewards = [s.reward for s in group.samples]
+        rewards = [s.reward for s in group.samples if s.reward is not None]  # all scored (checked above)
         if statistics.pstdev(rewards) <= self.zero_std_eps:
             return "zero_std"
         return "kept"

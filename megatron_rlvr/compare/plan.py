@@ -19,9 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from megatron_rlvr.errors import UserError
 from megatron_rlvr.compare.analysis import Combo, RunResult, read_metrics
 from megatron_rlvr.config import Config, ConfigError, apply_overrides, load_config, to_yaml
+from megatron_rlvr.errors import UserError
 
 DONE = "DONE"
 COMPARISON = "comparison.yaml"  # the base config and step count the runs in --out belong to
@@ -101,6 +101,6 @@ def plan_runs(config: str, overrides: list[str], base: Config, *, modes: list[st
                     try:
                         load_config(plan.config)
                     except ConfigError as err:
-                        raise ConfigError([f"run {plan.name}: {line}" for line in err.problems])
+                        raise ConfigError([f"run {plan.name}: {line}" for line in err.problems]) from err
                     plans.append(plan)
     return plans

@@ -50,7 +50,7 @@ def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list
 def table_blocks(table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str, str]], seeds: int) -> list:
     """One table per algorithm and off-policy degree: metrics down, modes across; each cell
     'mean over the run / last window'."""
-    blocks = []
+    blocks: list[tuple] = []
     for algo, degree in sorted({(c.algo, c.off_policy) for c in table}):
         combos = [c for c in table if (c.algo, c.off_policy) == (algo, degree)]
         rows = []

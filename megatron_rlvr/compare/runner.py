@@ -89,7 +89,7 @@ def submit(plans: list[RunPlan], options: dict, out=None) -> list[RunPlan]:
         from megatron_rlvr.launch import slurm
     except ImportError:
         raise CompareError("--submit is not available: this install has no Slurm submission "
-                           "(megatron_rlvr.launch.slurm)")
+                           "(megatron_rlvr.launch.slurm)") from None
     from megatron_rlvr.config import load_config
 
     out = out or sys.stdout
@@ -123,7 +123,7 @@ def submit(plans: list[RunPlan], options: dict, out=None) -> list[RunPlan]:
             spec.log_root.mkdir(parents=True, exist_ok=True)
             job_id = slurm.sbatch(script)
         except slurm.SubmitError as err:
-            raise CompareError(f"run {plan.name}: {err}")
+            raise CompareError(f"run {plan.name}: {err}") from err
         job_file.write_text(job_id + "\n")
         (plan.dir / "job.sbatch").write_text(script)
         print(f"{plan.name}: submitted job {job_id} (timeline: {spec.log_root}/slurm-{job_id}.out)", file=out)

@@ -32,7 +32,7 @@ def _read_config(config_dir: Path, label: str):
     try:
         return read_hf_config(config_dir)
     except UnsupportedArchitecture as err:
-        raise ConvertError(str(err))
+        raise ConvertError(str(err)) from err
 
 
 @contextlib.contextmanager

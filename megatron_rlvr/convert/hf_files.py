@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 
@@ -57,8 +57,8 @@ class ShardedSafetensors:
             final = f"model-{index + 1:05d}-of-{len(self.written):05d}.safetensors"
             os.replace(self._partial(index), self.out / final)
             weight_map.update(dict.fromkeys(names, final))
-        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        manifest = {"metadata": {"total_size": self.total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX).write_text(json.dumps(manifest, indent=2) + "\n")
         return len(self.written)
 
 

@@ -10,12 +10,12 @@ import sys
 import time
 from pathlib import Path
 
-from megatron_rlvr.config import Config, HFModel, ParallelConfig, resolve
+from megatron_rlvr.config import Config, HFModel, ParallelConfig, ResolvedParallel, resolve
 from megatron_rlvr.convert.checks import ConvertError
 from megatron_rlvr.stopping import StopSignals
 
 
-def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> ParallelConfig:
+def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> ResolvedParallel:
     """The layout as a run resolves it (etp = tp, the smallest dp that fits ep · etp, sequence
     parallel with tp), checked against the model's heads, experts and layers. A conversion
     has no batches: one sized so that any dp divides it keeps run-only checks quiet."""
@@ -27,10 +27,10 @@ def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> Paralle
     try:
         return resolve(cfg).parallel
     except ConfigError as err:
-        raise ConvertError(err.problems[0].replace("parallel.", "--"))
+        raise ConvertError(err.problems[0].replace("parallel.", "--")) from err
 
 
-def run_ranks(job: dict, parallel: ParallelConfig, workdir: Path, attempts: int = 3,
+def run_ranks(job: dict, parallel: ResolvedParallel, workdir: Path, attempts: int = 3,
               stop: StopSignals | None = None) -> list[dict]:
     """Starts the ranks, waits for all of them, and returns each rank's result. The first rank
     to fail stops the others (they would wait forever in a collective) and its one-line error

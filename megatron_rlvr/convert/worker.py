@@ -15,6 +15,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 PORT_TAKEN = 3  # exit code: the rendezvous port was taken meanwhile; the parent retries
 
@@ -156,7 +157,7 @@ def checkpoint_dtype(ckpt: str):
     from megatron.core import dist_checkpointing
 
     metadata = dist_checkpointing.load_tensors_metadata(ckpt)
-    elements = Counter()
+    elements: Counter[Any] = Counter()  # by torch dtype
     for key, tensor in metadata.items():
         if not key.startswith("optimizer."):
             elements[tensor.dtype] += math.prod(tensor.global_shape)
@@ -180,7 +181,8 @@ def mcore_to_hf(job: dict) -> dict:
     bridge, modules = _build(hf_config, job["parallel"]["device"], written)
     load_model(modules, job["ckpt"])
     export = _by_layer(export_hf_weights(modules, bridge), hf_config.num_hidden_layers, "writing")
-    result = {"dtype": str(written).removeprefix("torch."), "checkpoint_dtype": str(stored).removeprefix("torch.")}
+    result: dict[str, Any] = {"dtype": str(written).removeprefix("torch."),
+                              "checkpoint_dtype": str(stored).removeprefix("torch.")}
     if int(os.environ["RANK"]) == 0:
         writer = ShardedSafetensors(job["out"], job["max_shard_bytes"])
         for name, tensor in export:
@@ -203,14 +205,14 @@ def main() -> int:
     job = json.loads(Path(sys.argv[1]).read_text())
     result_path = Path(job["workdir"]) / f"rank{os.environ['RANK']}.json"
 
-    from megatron_rlvr.config import ParallelConfig
+    from megatron_rlvr.config import ResolvedParallel
     from megatron_rlvr.convert.checks import ConvertError
     from megatron_rlvr.learner.checkpoint import ModelCheckpointMismatch
     from megatron_rlvr.learner.model import CheckpointMismatch
     from megatron_rlvr.learner.parallel import destroy_parallel, init_parallel
 
     try:
-        init_parallel(ParallelConfig(**job["parallel"]))
+        init_parallel(ResolvedParallel(**job["parallel"]))
     except RuntimeError as err:
         if "EADDRINUSE" in str(err) or "address already in use" in str(err):
             return PORT_TAKEN

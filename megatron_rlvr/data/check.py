@@ -8,7 +8,14 @@ from __future__ import annotations
 import logging
 import os
 
-from megatron_rlvr.config import DATA_FORMATS, ArithmeticSource, Config, FileSource, VerifierConfig, data_sources
+from megatron_rlvr.config import (
+    DATA_FORMATS,
+    ArithmeticSource,
+    ResolvedConfig,
+    ResolvedFileSource,
+    VerifierConfig,
+    data_sources,
+)
 from megatron_rlvr.data.arithmetic import arithmetic_prompts
 from megatron_rlvr.data.files import load_source
 from megatron_rlvr.data.records import LoadedPrompts
@@ -16,7 +23,7 @@ from megatron_rlvr.data.records import LoadedPrompts
 log = logging.getLogger(__name__)
 
 
-def load_data(source: ArithmeticSource | FileSource, verifiers: VerifierConfig, *, where: str = "data",
+def load_data(source: ArithmeticSource | ResolvedFileSource, verifiers: VerifierConfig, *, where: str = "data",
               skip_bad_rows: bool = False) -> LoadedPrompts:
     """The records of one source; `where` is its dotted config name (data, eval.sets.NAME)."""
     if isinstance(source, ArithmeticSource):
@@ -27,7 +34,7 @@ def load_data(source: ArithmeticSource | FileSource, verifiers: VerifierConfig, 
     return load_source(source, verifiers, where=where, skip_bad_rows=skip_bad_rows)
 
 
-def load_all(cfg: Config, *, report: bool = True) -> dict[str, LoadedPrompts]:
+def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPrompts]:
     """dotted name → records, for the training data and every eval set. With `report`,
     skipped rows are logged: one warning per source with the count and the first."""
     loaded = {}
@@ -42,7 +49,7 @@ def load_all(cfg: Config, *, report: bool = True) -> dict[str, LoadedPrompts]:
     return loaded
 
 
-def check_inputs(cfg: Config) -> dict[str, LoadedPrompts]:
+def check_inputs(cfg: ResolvedConfig) -> dict[str, LoadedPrompts]:
     """Raises a UserError (one line) for a missing, empty or unreadable data file, a bad row
     (file:line, unless data.skip_bad_rows), a verifier function that is not there, a sandbox
     this machine cannot give, or a missing wandb. Returns what load_all read."""

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import json
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
-from megatron_rlvr.config import FileSource, VerifierConfig
+from megatron_rlvr.config import ResolvedFileSource, VerifierConfig
 from megatron_rlvr.data.records import ROLES, DataError, LoadedPrompts, PromptRecord
 from megatron_rlvr.rewards.code import CodeTestError, parse_tests
 
@@ -53,7 +54,7 @@ def _messages(prompt: Any, key: str) -> str | list[dict[str, Any]]:
     return [dict(m) for m in prompt]
 
 
-def _verifier(row: dict, source: FileSource, verifiers: VerifierConfig, data_source: str) -> str:
+def _verifier(row: dict, source: ResolvedFileSource, verifiers: VerifierConfig, data_source: str) -> str:
     if data_source in verifiers.by_data_source:
         return verifiers.by_data_source[data_source]
     named = lookup(row, source.verifier_key)
@@ -65,7 +66,7 @@ def _verifier(row: dict, source: FileSource, verifiers: VerifierConfig, data_sou
     raise BadRow(f"unknown verifier {named!r} in {source.verifier_key!r} (known: {', '.join(verifiers.names)})")
 
 
-def parse_row(row: Any, source: FileSource, verifiers: VerifierConfig) -> PromptRecord:
+def parse_row(row: Any, source: ResolvedFileSource, verifiers: VerifierConfig) -> PromptRecord:
     """A row → PromptRecord; raises BadRow saying what is wrong. The prompt id is the row's
     id_key, or "" when it has none (the caller numbers it)."""
     if not isinstance(row, dict):
@@ -95,7 +96,7 @@ def parse_row(row: Any, source: FileSource, verifiers: VerifierConfig) -> Prompt
                         extra if isinstance(extra, dict) else None)
 
 
-def _rows(path: Path, source: FileSource) -> Iterator[tuple[str, int, Any]]:
+def _rows(path: Path, source: ResolvedFileSource) -> Iterator[tuple[str, int, Any]]:
     """(where, number, row) for every row: where is file:line for JSONL and file:row N for Parquet. A
     line that is not JSON comes as a BadRow in place of its row."""
     if path.suffix == ".parquet":
@@ -142,7 +143,7 @@ def _open_check(path: Path, where: str) -> None:
         raise DataError(f"{where} = '{path}': the file is empty")
 
 
-def load_file(path: Path, source: FileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool,
+def load_file(path: Path, source: ResolvedFileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool,
               label: str = "") -> LoadedPrompts:
     """Every row of one file; `where` names its config field (data.path, eval.sets.X.path) and
     `label` prefixes prompt ids (several files)."""
@@ -181,7 +182,7 @@ def _fields(record: PromptRecord) -> tuple:
     return record.prompt, record.answer, record.verifier, record.data_source, record.extra
 
 
-def load_source(source: FileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool) -> LoadedPrompts:
+def load_source(source: ResolvedFileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool) -> LoadedPrompts:
     """Every file of a source; with weights, each file's share of the mixture (files drawn
     more often than they have rows repeat whole, then a seeded sample of the rest)."""
     paths = [Path(p) for p in source.paths]

@@ -9,8 +9,8 @@ import logging
 import os
 import signal
 
+from megatron_rlvr.config import ResolvedConfig, SglangEngine
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.config import Config
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +27,7 @@ def node_ip() -> str:
 
 
 @contextlib.contextmanager
-def ray_session(cfg: Config, temp_dir: str):
+def ray_session(cfg: ResolvedConfig, temp_dir: str):
     """A local Ray whose session folder (logs, sockets, spilled objects) lives in temp_dir,
     or the cluster at launch.ray_address."""
     import ray
@@ -52,19 +52,19 @@ def ray_session(cfg: Config, temp_dir: str):
         ray.shutdown()
 
 
-def resources_needed(cfg: Config) -> dict[str, float]:
+def resources_needed(cfg: ResolvedConfig) -> dict[str, float]:
     """GPUs the learner ranks and SGLang engines occupy; CPU runs need no whole cores."""
     p = cfg.parallel
     world = p.tp * p.pp * (p.dp or 1)
     engine = cfg.rollout.engine
-    on_gpus = engine.type == "sglang" and engine.device == "cuda"
+    on_gpus = isinstance(engine, SglangEngine) and engine.device == "cuda"
     if p.device == "cpu" and not on_gpus:
         return {}
-    engine_gpus = cfg.rollout.num_engines * engine.tp if on_gpus else 0
+    engine_gpus = cfg.rollout.num_engines * engine.tp if isinstance(engine, SglangEngine) and on_gpus else 0
     return {"GPU": float((world if p.device == "cuda" else 0) + engine_gpus)}
 
 
-def check_fits(cfg: Config, available: dict[str, float]) -> None:
+def check_fits(cfg: ResolvedConfig, available: dict[str, float]) -> None:
     for name, amount in resources_needed(cfg).items():
         if available.get(name, 0.0) < amount:
             p = cfg.parallel

@@ -4,20 +4,25 @@ server runs there and dies with its owner."""
 
 from __future__ import annotations
 
+import functools
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.launch.cluster import node_ip
 from megatron_rlvr.launch.placement import Placement, Role
 from megatron_rlvr.stopping import StopSignals
 
+if TYPE_CHECKING:
+    from megatron_rlvr.rollout.launcher import ServerProcess
+
 
 class EngineHost:
-    def __init__(self, cfg: Config, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None):
+    def __init__(self, cfg: ResolvedConfig, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None):
         """gpus: the GPU ids the server may see (None: as the process environment says)."""
         self.cfg, self.model_dir, self.log_dir, self.index, self.gpus = cfg, model_dir, log_dir, index, gpus
-        self.server = None
+        self.server: ServerProcess | None = None
         self.closed = False  # stop() came (perhaps while start() was on its way)
 
     def start(self) -> str:
@@ -27,15 +32,15 @@ class EngineHost:
 
         rollout = self.cfg.rollout
         bind = rollout.host
-        self.server = engine_process(self.model_dir, rollout.engine, host=bind,
-                                     port=free_port("" if bind == "0.0.0.0" else bind),
-                                     routed_experts=bool(rollout.return_routed_experts), log_dir=self.log_dir,
-                                     name=f"engine {self.index} ({rollout.engine.type})", gpus=self.gpus)
+        self.server = server = engine_process(
+            self.model_dir, rollout.engine, host=bind, port=free_port("" if bind == "0.0.0.0" else bind),
+            routed_experts=rollout.return_routed_experts, log_dir=self.log_dir,
+            name=f"engine {self.index} ({rollout.engine.type})", gpus=self.gpus)
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
-        self.server.start(rollout.start_timeout_s)
+        server.start(rollout.start_timeout_s)
         host = node_ip() if bind == "0.0.0.0" else bind
-        return f"http://{host}:{self.server.port}"
+        return f"http://{host}:{server.port}"
 
     def restart(self) -> str | None:
         """Same port, fresh process, if the server died or hangs: it comes back with the
@@ -46,19 +51,21 @@ class EngineHost:
 
         import httpx
 
+        server = self.server
+        assert server is not None and server.proc is not None, "restart() follows start()"
         try:
-            self.server.proc.wait(timeout=5)  # a killed server may take a moment to be reaped
-            how = self.server.exit_description()
+            server.proc.wait(timeout=5)  # a killed server may take a moment to be reaped
+            how = server.exit_description()
         except subprocess.TimeoutExpired:
             try:
-                if httpx.get(f"{self.server.url}/health", timeout=30).status_code == 200:
+                if httpx.get(f"{server.url}/health", timeout=30).status_code == 200:
                     return None
             except httpx.HTTPError:
                 pass
             how = "hung (no answer to /health within 30 s) and was stopped"
-        self.server.stop()  # what is left of the old one too (SGLang's scheduler processes)
-        report = f"{how}; the end of its log ({self.server.log_path}):\n{self.server.log_tail(lines=8)}"
-        self.server.start(self.cfg.rollout.start_timeout_s)
+        server.stop()  # what is left of the old one too (SGLang's scheduler processes)
+        report = f"{how}; the end of its log ({server.log_path}):\n{server.log_tail(lines=8)}"
+        server.start(self.cfg.rollout.start_timeout_s)
         return report
 
     def stop(self, graceful: bool = True) -> None:
@@ -78,7 +85,7 @@ def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
 class EngineFleet:
     """All engines of a run; start() brings them up in parallel and stops all if one fails."""
 
-    def __init__(self, cfg: Config, model_dir: Path, placement: Placement):
+    def __init__(self, cfg: ResolvedConfig, model_dir: Path, placement: Placement):
         log_dir = str(Path(cfg.trainer.output_dir) / "logs")
         self.hosts = [placement.place(Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i,
                                       placement.engine_gpus(i), index=i) for i in range(cfg.rollout.num_engines)]
@@ -103,7 +110,7 @@ class EngineFleet:
             t.start()
         try:
             for t in threads:
-                stop.wait_until(lambda poll_s, t=t: _joined(t, poll_s), "the engines to start")
+                stop.wait_until(functools.partial(_joined, t), "the engines to start")
         except BaseException:
             self.stop(graceful=False)
             raise

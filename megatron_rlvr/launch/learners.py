@@ -9,21 +9,26 @@ import asyncio
 import contextlib
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.launch.cluster import node_ip
 from megatron_rlvr.launch.placement import Handle, Placement, Role, call_all, close_all
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.stopping import StopSignals
 
+if TYPE_CHECKING:
+    from megatron_rlvr.weight_sync.syncer import WeightSyncer
+
 
 class LearnerRank:
-    def __init__(self, cfg: Config, model_dir: str, rank: int, world_size: int):
+    def __init__(self, cfg: ResolvedConfig, model_dir: str, rank: int, world_size: int):
         self.cfg, self.model_dir = cfg, model_dir
         self.rank, self.world_size = rank, world_size
-        self.learner = self.syncer = None
+        self.learner: Any = None  # learner.learner.Learner, made by setup()
+        self.syncer: WeightSyncer | None = None  # rank 0 only
         self.clients: list = []
         self.joined = False
         self.loop = asyncio.new_event_loop()
@@ -52,10 +57,11 @@ class LearnerRank:
         if self.rank != 0:
             return None
         self.clients = [EngineClient(url, timeout_s=self.cfg.rollout.request_timeout_s) for url in engine_urls]
-        self.syncer = WeightSyncer(self.clients, self.cfg.weight_sync, master_address=master[0],
-                                   engine_ranks=engine_ranks(self.cfg, len(self.clients)))
-        self.loop.run_until_complete(self.syncer.connect())
-        return self.syncer.version
+        syncer = WeightSyncer(self.clients, self.cfg.weight_sync, master_address=master[0],
+                              engine_ranks=engine_ranks(self.cfg, len(self.clients)))
+        self.syncer = syncer
+        self.loop.run_until_complete(syncer.connect())
+        return syncer.version
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:
         return self.learner.compute_logprobs(batch)
@@ -90,7 +96,7 @@ class LearnerRank:
         self.loop.close()
 
 
-def engine_ranks(cfg: Config, num_engines: int) -> list[int]:
+def engine_ranks(cfg: ResolvedConfig, num_engines: int) -> list[int]:
     """Ranks each engine brings to the weight-update group: SGLang's TP ranks, or one."""
     from megatron_rlvr.weight_sync.transport import engine_rank_count
 
@@ -106,7 +112,7 @@ class LearnerGroup:
         self.ranks, self.placement, self.stop = ranks, placement, stop
 
     @classmethod
-    def start(cls, cfg: Config, model_dir: Path, engine_urls: list[str], placement: Placement,
+    def start(cls, cfg: ResolvedConfig, model_dir: Path, engine_urls: list[str], placement: Placement,
               stop: StopSignals) -> tuple[LearnerGroup, int]:
         """The ranks of cfg.parallel's layout, set up (a stop request ends the wait); also the
         engines' weight version."""

@@ -15,10 +15,11 @@ import inspect
 import os
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from enum import Enum
-from typing import Any, Callable
+from typing import Any
 
-from megatron_rlvr.config import Config
+from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.stopping import StopSignals
 
 
@@ -192,7 +193,7 @@ class Placement(ABC):
 
     kind: str = ""
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: ResolvedConfig):
         self.cfg = cfg
 
     @abstractmethod
@@ -230,9 +231,10 @@ class InProcess(Placement):
         engine = self.cfg.rollout.engine
         if engine.type != "sglang" or engine.device != "cuda":
             return None
+        import torch
+
         from megatron_rlvr.launch.engines import engine_gpus
         from megatron_rlvr.rollout.launcher import EngineStartError
-        import torch
 
         ids = engine_gpus(engine.gpus, index, engine.tp)
         if max(ids) >= torch.cuda.device_count():
@@ -252,10 +254,10 @@ class RayActors(Placement):
     kind = "ray"
     SLIVER = {"num_cpus": 0.01}
 
-    def __init__(self, cfg: Config):
+    def __init__(self, cfg: ResolvedConfig):
         super().__init__(cfg)
         self._learner_bundles: list[int] | None = None
-        self._group = None
+        self._group: Any = None  # Ray's PlacementGroup for the learner ranks, once made
 
     @contextlib.contextmanager
     def session(self, temp_dir: str):
@@ -316,5 +318,5 @@ class RayActors(Placement):
 PLACEMENTS: dict[str, type[Placement]] = {p.kind: p for p in (InProcess, RayActors)}
 
 
-def placement_for(cfg: Config) -> Placement:
+def placement_for(cfg: ResolvedConfig) -> Placement:
     return PLACEMENTS[cfg.launch.mode](cfg)

@@ -11,6 +11,7 @@ named by the `slurm-node` label the script gives each `ray start`.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import socket
 import sys
@@ -41,7 +42,7 @@ def wait_for_nodes(address: str, count: int, timeout_s: float, poll_s: float = 0
     import ray
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")  # as the nodes were started (see the script)
-    ray.init(address=address, log_to_driver=False, logging_level="WARNING")
+    ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
     try:
         seen: set[str] = set()
         deadline = time.monotonic() + timeout_s

@@ -22,9 +22,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_rlvr.errors import UserError
 from megatron_rlvr import run_dir
-from megatron_rlvr.config import Config, HFModel, SglangEngine, data_sources, load_config
+from megatron_rlvr.config import HFModel, ResolvedConfig, SglangEngine, data_sources, load_config
+from megatron_rlvr.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
@@ -68,7 +68,7 @@ class Plan:
         ]
 
 
-def plan(cfg: Config, nodes: int, gpus_per_node: int) -> Plan:
+def plan(cfg: ResolvedConfig, nodes: int, gpus_per_node: int) -> Plan:
     """The run's GPU arithmetic on this allocation; SubmitError (one line) if it cannot fit."""
     if nodes < 1:
         raise SubmitError(f"--nodes {nodes}: needs at least 1 node")
@@ -105,7 +105,7 @@ def plan(cfg: Config, nodes: int, gpus_per_node: int) -> Plan:
     return result
 
 
-def check_inputs_present(cfg: Config) -> None:
+def check_inputs_present(cfg: ResolvedConfig) -> None:
     """The checkpoint and the prompts must be there before a job is spent on them (the recipes
     ship only a model's config.json, which is enough to check a layout with --dry-run)."""
     if isinstance(cfg.model, HFModel) and not any(Path(cfg.model.path).glob("*.safetensors")):

@@ -8,7 +8,7 @@ import itertools
 import os
 import threading
 
-from megatron_rlvr.config import Config, VerifierConfig
+from megatron_rlvr.config import ResolvedConfig, VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.launch.placement import Placement, Role, call_all, close_all
 from megatron_rlvr.rewards.custom import resolve_function
@@ -39,7 +39,7 @@ class VerifierWorker:
 
 
 class VerifierPool:
-    def __init__(self, cfg: Config, placement: Placement):
+    def __init__(self, cfg: ResolvedConfig, placement: Placement):
         v = cfg.verifier
         functions = {name: resolve_function(spec, os.getcwd()) for name, spec in v.functions.items()}
         self.workers = [placement.place(Role.VERIFIER, VerifierWorker, v, functions, index=i)

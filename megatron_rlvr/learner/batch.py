@@ -9,6 +9,7 @@ right-padded: with causal attention, real tokens never see the padding after the
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 
@@ -43,7 +44,8 @@ class TrainBatch:
                 return t
             return torch.nn.functional.pad(t, [0, 0] * (t.dim() - 2) + [0, extra])
 
-        return replace(self, **{f.name: pad(getattr(self, f.name)) for f in fields(self)})
+        padded: dict[str, Any] = {f.name: pad(getattr(self, f.name)) for f in fields(self)}
+        return replace(self, **padded)
 
 
 def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:

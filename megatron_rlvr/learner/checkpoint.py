@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.learner import ModelChunk
 
 log = logging.getLogger(__name__)
 # Layout-independent optimizer state: per-parameter tensors, keys without the chained-optimizer
@@ -116,7 +117,7 @@ class ModelCheckpointMismatch(UserError, ValueError):
     """A checkpoint that does not hold this model's tensors, said in one line."""
 
 
-def save_model(modules: list[torch.nn.Module], path: str | Path) -> None:
+def save_model(modules: list[ModelChunk], path: str | Path) -> None:
     """Model weights only (what `convert hf-to-mcore` writes), under the keys of a learner
     checkpoint's model, so that load_model reads either kind. Collective."""
     from megatron.core import dist_checkpointing
@@ -125,7 +126,7 @@ def save_model(modules: list[torch.nn.Module], path: str | Path) -> None:
     dist_checkpointing.save({"model": modules[0].sharded_state_dict()}, str(path))
 
 
-def load_model(modules: list[torch.nn.Module], path: str | Path) -> None:
+def load_model(modules: list[ModelChunk], path: str | Path) -> None:
     """Loads the model weights of a model-only or learner checkpoint saved in any layout.
     Megatron would load a checkpoint with a tensor too many (an untied lm_head under a tied
     config) without a word, so the tensor set and shapes are checked first. Collective."""

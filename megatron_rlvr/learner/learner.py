@@ -4,13 +4,13 @@ checkpoints. Every method is collective: all learner ranks call it with the same
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.config import Config, HFModel
+from megatron_rlvr.config import HFModel, ResolvedConfig
 from megatron_rlvr.learner import model as model_lib
 from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices, pad_rows
 from megatron_rlvr.learner.checkpoint import load_model
@@ -30,7 +30,7 @@ def _fingerprint(batch: TrainBatch) -> tuple:
 
 
 class Learner:
-    def __init__(self, cfg: Config, hf_dir: str | Path):
+    def __init__(self, cfg: ResolvedConfig, hf_dir: str | Path):
         """Builds this rank's model shard from the HF checkpoint, wraps it in Megatron DDP and
         creates the (distributed) optimizer. Parallel state must be initialised first."""
         from megatron.core.distributed import (
@@ -38,7 +38,6 @@ class Learner:
             DistributedDataParallelConfig,
             finalize_model_grads,
         )
-
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         self.cfg = cfg
@@ -128,6 +127,7 @@ class Learner:
         mode = self.cfg.algo.routing_replay
         if mode == "none":
             return WatchRouting(self.replay) if self.replay is not None and phase == "old_logprobs" else None
+        assert self.replay is not None, "built whenever algo.routing_replay is r2 or r3"
         if mode == "r3":
             self._check_routed_experts(batch)
             return ReplayRouting(self.replay, "engine")

@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -71,7 +74,7 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = device == "cuda" and _have_transformer_engine()
-    base = _bridge_class(hf_config.model_type)
+    base: Any = _bridge_class(hf_config.model_type)  # a class chosen at run time
 
     class Bridge(base):
         def _build_config(self):
@@ -140,7 +143,7 @@ _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
 
 
-def canonical_name(local_name: str, module: torch.nn.Module, bridge) -> str:
+def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
     """Global, transformer-engine-style name of a local parameter: global layer number
     (pipeline offset), global expert id (EP offset), TE's fused-norm names."""
     from megatron.core import parallel_state as mpu
@@ -260,7 +263,7 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
     else:
         per_stage = [metas]
     local_params = dict(local)
-    stage_ranks = dist.get_process_group_ranks(pp_group) if pp_size > 1 else None
+    stage_ranks: list[int] = dist.get_process_group_ranks(pp_group) if pp_size > 1 else []
     tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
     for stage, entries in enumerate(per_stage):
         for name, dtype, shape, tensor_parallel, partition_dim in entries:
@@ -268,7 +271,8 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
                 tensor = local_params[name].detach()
             else:
                 tensor = torch.empty(shape, dtype=dtype, device=rank_device())
-            tensor.tensor_model_parallel, tensor.partition_dim = tensor_parallel, partition_dim
+            # Megatron marks a tensor-parallel tensor by these two attributes
+            tensor.tensor_model_parallel, tensor.partition_dim = tensor_parallel, partition_dim  # type: ignore[attr-defined]
             if pp_size > 1:
                 dist.broadcast(tensor, src=stage_ranks[stage], group=pp_group)
             if tied and name == "output_layer.weight":

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.config import ParallelConfig
+from megatron_rlvr.config import ResolvedParallel
 
 
 def device() -> torch.device:
@@ -48,7 +48,7 @@ class Rendezvous:
         )
 
 
-def init_parallel(parallel: ParallelConfig, rendezvous: Rendezvous | None = None,
+def init_parallel(parallel: ResolvedParallel, rendezvous: Rendezvous | None = None,
                   seed: int = 0, timeout_s: float = 600.0) -> None:
     """Initialises torch.distributed (gloo on CPU, NCCL on CUDA) and Megatron's model-parallel
     groups for the resolved layout. CPU runs get the CPU adaptations first."""

@@ -18,11 +18,15 @@ how often the routing the router actually used does (the `_used` metric: 1.0 und
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.learner import ModelChunk
 
-def _moe_routers(modules: list[torch.nn.Module]) -> list[tuple[int, torch.nn.Module]]:
+
+def _moe_routers(modules: list[ModelChunk]) -> list[tuple[int, Any]]:
     """(global layer index, router) for this stage's MoE layers, in construction order."""
     routers = []
     for module in modules:
@@ -54,7 +58,7 @@ def replay_valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
 class RoutingReplay:
     """This rank's routers and their RouterReplay instances, driven per micro-batch."""
 
-    def __init__(self, modules: list[torch.nn.Module], *, num_layers: int, top_k: int,
+    def __init__(self, modules: list[ModelChunk], *, num_layers: int, top_k: int,
                  sequence_parallel: bool, recompute: bool):
         from megatron.core import parallel_state as mpu
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import atexit
 import functools
 from collections import Counter
+from typing import cast
 
 from megatron_rlvr.rewards.math_compare import FastBackend, compare
 from megatron_rlvr.rewards.math_latex import clean, units
@@ -90,7 +91,7 @@ class MathVerifier:
         if undecided:
             try:
                 checked = self.pool.compare(
-                    [prepared[i] for i in undecided], timeout_s or self.timeout_s
+                    [cast(tuple[str, str], prepared[i]) for i in undecided], timeout_s or self.timeout_s
                 )
             except Exception as err:
                 checked = [(False, f"sandbox_error:{type(err).__name__}")] * len(undecided)

@@ -422,6 +422,7 @@ def intervals(node) -> list | None:
     """A set of reals as sorted (lo, hi, lo_open, hi_open) pieces, or None when only sympy can
     say (|x - 1| < 2, x^2 < 4, symbolic bounds)."""
     kind = node[0]
+    pieces: list | None
     if kind == "interval":
         pieces = [node[1:]]
     elif kind == "tuple" and len(node[1]) == 2:

@@ -10,7 +10,7 @@ import cmath
 import math
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_parse import is_node, map_children
+from megatron_rlvr.rewards.math_parse import child_nodes, is_node, map_children
 from megatron_rlvr.rewards.math_text import AnswerError
 
 MAX_BITS = 40_000  # ~12,000 digits: any legitimate answer, never a runaway power
@@ -104,15 +104,15 @@ def rational(node) -> Fraction | None:
         return node[1]
     if kind in ("sym", "const", "text", "empty"):
         return None
-    values = []
-    map_children(node, lambda child: values.append(rational(child)) or child)
+    values = [rational(child) for child in child_nodes(node)]
     if kind == "neg":
         return None if values[0] is None else -values[0]
     if kind in ("add", "mul"):
-        if None in values:
+        known = [value for value in values if value is not None]
+        if len(known) < len(values):
             return None
         total = Fraction(0 if kind == "add" else 1)
-        for value in values:
+        for value in known:
             total = _checked(total + value if kind == "add" else total * value)
         return total
     if kind == "div":

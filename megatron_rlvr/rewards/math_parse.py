@@ -349,7 +349,7 @@ class _Parser:
         arg = self.function_argument()
         if name in ("ln", "lg"):
             name, base = "log", (("num", Fraction(10)) if name == "lg" else None)
-        node = ("fn", name, (arg,) if base is None else (arg, base))
+        node: tuple = ("fn", name, (arg,) if base is None else (arg, base))
         if power is not None:
             node = ("pow", node, power)
         if self.is_op("^"):
@@ -436,14 +436,24 @@ def map_children(node, fn):
     return (node[0],) + tuple(_map_part(part, fn) for part in node[1:])
 
 
+def child_nodes(node) -> list:
+    """The node's child nodes, in order (inside tuples of items and rows too)."""
+    found: list = []
+
+    def keep(child):
+        found.append(child)
+        return child
+
+    map_children(node, keep)
+    return found
+
+
 def _has_pm(node) -> bool:
     if not is_node(node):
         return False
     if node[0] in ("pm", "mp"):
         return True
-    found = []
-    map_children(node, lambda child: found.append(_has_pm(child)) or child)
-    return any(found)
+    return any([_has_pm(child) for child in child_nodes(node)])
 
 
 def _choose(node, sign: int):

@@ -10,7 +10,7 @@ import random
 import sympy
 
 from megatron_rlvr.rewards.math_compare import FastBackend, Tri, _difference
-from megatron_rlvr.rewards.math_parse import map_children
+from megatron_rlvr.rewards.math_parse import child_nodes
 from megatron_rlvr.rewards.math_text import AnswerError
 
 DIGITS = 60
@@ -35,8 +35,7 @@ def to_sympy(node, real_only: bool = False):
         return sympy.Symbol(node[1], real=True) if real_only else sympy.Symbol(node[1], positive=True)
     if kind == "const":
         return _CONSTANTS[node[1]]
-    args = []
-    map_children(node, lambda child: args.append(to_sympy(child, real_only)) or child)
+    args = [to_sympy(child, real_only) for child in child_nodes(node)]
     if kind == "neg":
         return -args[0]
     if kind == "add":

@@ -47,7 +47,9 @@ _BOX = re.compile(r"\\(?:boxed|fbox)\b")
 
 def box_at(text: str, start: int) -> tuple[str, int]:
     """(content, end) of the box command starting at text[start] ('\\boxed{…}' or '\\boxed 5')."""
-    i = start + len(_BOX.match(text, start).group(0))
+    box = _BOX.match(text, start)
+    assert box is not None, "start comes from box_starts()"
+    i = start + len(box.group(0))
     while i < len(text) and text[i] == " ":
         i += 1
     if i < len(text) and text[i] == "{":
@@ -61,7 +63,8 @@ def box_at(text: str, start: int) -> tuple[str, int]:
 
 def box_starts(text: str) -> list[int]:
     """Start indices of the last MAX_GROUP * 2 box commands, last first."""
-    starts, end = [], len(text)
+    starts: list[int] = []
+    end = len(text)
     while len(starts) < MAX_GROUP * 2:
         at = max(text.rfind("\\boxed", 0, end), text.rfind("\\fbox", 0, end))
         if at < 0:
@@ -164,7 +167,7 @@ def extract_answers(response: str) -> list[str]:
     if box_starts(text):
         return _final_boxes(text)
     answer_at = None
-    for answer_at in _ANSWER_IS.finditer(text):
+    for answer_at in _ANSWER_IS.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
     hashes = text.rfind("####")
     if hashes >= 0 and (answer_at is None or hashes > answer_at.start()):
@@ -181,9 +184,9 @@ def _last_math_or_number(text: str) -> str:
     (searched in the response's tail only, so unclosed spans cannot make this quadratic)."""
     text = text[-4 * MAX_ANSWER_CHARS :]
     number = span = None
-    for number in _NUMBER.finditer(text):
+    for number in _NUMBER.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
-    for span in _MATH_SPAN.finditer(text):
+    for span in _MATH_SPAN.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
     if span is not None and (number is None or span.end() >= number.end()):
         return _span_content(span)

@@ -60,6 +60,7 @@ def tokenize(s: str) -> list[tuple[str, str]]:
             i += 1
         elif ch.isdigit() or (ch == "." and s[i + 1 : i + 2].isdigit()):
             match = _NUMBER.match(s, i)
+            assert match is not None, "a digit, or a dot before one, starts a number"
             tokens.append(("num", match.group(0)))
             i = match.end()
             if s.startswith("_", i):  # 1011_2: a numeral in another base, kept as written

@@ -44,7 +44,7 @@ class VerdictStats:
     def __init__(self):
         self.reasons: Counter[str] = Counter()
         self.by_verifier: dict[str, Counter[str]] = defaultdict(Counter)
-        self.reward_sum: Counter[str] = Counter()
+        self.reward_sum: defaultdict[str, float] = defaultdict(float)
 
     def add(self, verifier: str, verdicts: list[Verdict]) -> None:
         self.reasons.update(reason for _, reason in verdicts)
@@ -55,7 +55,8 @@ class VerdictStats:
         self.reasons.update(other.reasons)
         for name, counts in other.by_verifier.items():
             self.by_verifier[name].update(counts)
-        self.reward_sum.update(other.reward_sum)
+        for name, total in other.reward_sum.items():
+            self.reward_sum[name] += total
 
     def metrics(self) -> dict[str, float]:
         out: dict[str, float] = {f"verifier/{reason}": n for reason, n in sorted(self.reasons.items())}

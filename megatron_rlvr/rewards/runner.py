@@ -109,7 +109,7 @@ def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin
             os.dup2(os.open("stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), 2)
             os.closerange(3, write_end)
             os.closerange(write_end + 1, 1024)
-            sys.stdin = open(0, "r", closefd=False)
+            sys.stdin = open(0, closefd=False)
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
             limit_resources(memory_mb=memory_mb, cpu_s=int(wall_s) + 1, file_bytes=output_bytes)
@@ -143,8 +143,8 @@ def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin
         return {"status": "timeout", "seconds": seconds}
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        reason = {signal.SIGSYS: "sandbox_violation", signal.SIGXCPU: "timeout", signal.SIGKILL: "timeout",
-                  signal.SIGXFSZ: "output_limit"}.get(sig, "crashed")
+        reason = {int(signal.SIGSYS): "sandbox_violation", int(signal.SIGXCPU): "timeout", int(signal.SIGKILL): "timeout",
+                  int(signal.SIGXFSZ): "output_limit"}.get(sig, "crashed")
         return {"status": reason, "detail": signal.Signals(sig).name, "seconds": seconds}
     try:
         verdict = json.loads(received)
@@ -264,6 +264,8 @@ def load_function(spec: dict):
     module_name = spec["module"]
     if module_name.endswith(".py"):
         loader_spec = importlib.util.spec_from_file_location("rlvr_user_verifier", module_name)
+        if loader_spec is None or loader_spec.loader is None:
+            raise ImportError(f"cannot load {module_name} as a Python module")
         module = importlib.util.module_from_spec(loader_spec)
         loader_spec.loader.exec_module(module)
     else:

@@ -73,6 +73,7 @@ class _Worker:
 
     def read(self) -> bool:
         """Reads what is available; False on EOF (the worker died)."""
+        assert self.proc.stdout is not None  # started with stdout=PIPE
         chunk = os.read(self.proc.stdout.fileno(), 65536)
         if not chunk:
             return False
@@ -90,8 +91,9 @@ class _Worker:
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait()
-        self.proc.stdout.close()
-        self.proc.stdin.close()
+        for pipe in (self.proc.stdout, self.proc.stdin):
+            if pipe is not None:
+                pipe.close()
 
 
 class SandboxPool:

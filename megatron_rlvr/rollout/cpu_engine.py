@@ -278,7 +278,7 @@ class CpuEngine:
             return FinishReason(type="length", length=len(seq.output_ids))
         return None
 
-    def _record_routing(self, batch: list[Sequence | None], out, fed: list[int]) -> None:
+    def _record_routing(self, batch: list[Sequence] | list[Sequence | None], out, fed: list[int]) -> None:
         """Router choices for the tokens this forward fed, per sequence: [fed, layers, k]
         (all hidden layers; dense layers, which route nothing, hold zeros)."""
         if not self._moe_layers:
@@ -288,10 +288,10 @@ class CpuEngine:
         routing = torch.zeros(len(batch), steps, self.config.num_hidden_layers, k, dtype=torch.int32)
         for layer in self._moe_layers:
             routing[:, :, layer] = self._routing_step[layer].view(len(batch), steps, k).to(torch.int32)
-        routing = routing.numpy()
+        chosen = routing.numpy()
         for i, seq in enumerate(batch):
             if seq is not None:
-                seq.routing.extend(routing[i, steps - fed[i]:])
+                seq.routing.extend(chosen[i, steps - fed[i]:])
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

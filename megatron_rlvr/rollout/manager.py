@@ -15,8 +15,8 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Awaitable, Callable
 
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
@@ -224,10 +224,11 @@ class RolloutManager:
         if self.restart is None or engine in self._restarting:
             return
         self._restarting.add(engine)
+        restart_engine = self.restart
 
         async def restart() -> None:
             try:
-                how = await self.restart(engine)
+                how = await restart_engine(engine)
                 if how is not None:
                     log.warning("engine %d (%s) %s\nrestarted: it serves again once it holds the run's weights",
                                 engine, self.clients[engine].base_url, how)

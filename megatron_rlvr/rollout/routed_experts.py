@@ -44,7 +44,7 @@ def decode_routed_experts(encoded: str, *, num_layers: int, top_k: int, num_expe
     try:
         raw = base64.b64decode(encoded, validate=True)
     except (binascii.Error, ValueError, TypeError):
-        raise RoutedExpertsError(f"sample {sample}: routed_experts is not valid base64")
+        raise RoutedExpertsError(f"sample {sample}: routed_experts is not valid base64") from None
     if len(raw) % 4:
         raise RoutedExpertsError(f"sample {sample}: routed_experts has {len(raw)} bytes, not int32s")
     ids = np.frombuffer(raw, dtype="<i4")

@@ -18,13 +18,14 @@ from __future__ import annotations
 import math
 import random
 from collections import deque
-from typing import Awaitable, Callable
+from collections.abc import Awaitable, Callable
 
-from megatron_rlvr.errors import UserError
 from megatron_rlvr.data import PromptRecord
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group
+
 
 class RolloutFailed(UserError, RuntimeError):
     """Every recent group failed: no engine can serve (the run stops instead of spinning)."""

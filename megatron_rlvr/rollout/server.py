@@ -13,6 +13,7 @@ import json
 import os
 import threading
 import time
+from typing import cast
 
 import torch
 from fastapi import FastAPI, Request
@@ -46,13 +47,13 @@ async def _parse(request: Request, model: type[BaseModel]):
     try:
         body = await request.json() if await request.body() else {}
     except json.JSONDecodeError as err:
-        raise EngineError(f"request body is not valid JSON ({err.msg})")
+        raise EngineError(f"request body is not valid JSON ({err.msg})") from err
     if not isinstance(body, dict):
         raise EngineError("request body must be a JSON object")
     try:
         return model.model_validate(body)
     except ValidationError as err:
-        raise EngineError(_validation_message(err))
+        raise EngineError(_validation_message(err)) from err
 
 
 class WeightUpdates:
@@ -227,7 +228,7 @@ async def _receive_and_apply(req: p.UpdateWeightsFromDistributedReqInput, update
         else:
             tensors = await asyncio.to_thread(receive_tensors, group, dtypes, req.shapes)
     except ValueError as err:  # unknown dtype, unaligned layout, checksum mismatch
-        raise EngineError(f"weights not loaded: {err}")
+        raise EngineError(f"weights not loaded: {err}") from err
     # refusals come only after the broadcast is drained: a sender never blocks on an engine
     updates.check_version(req.weight_version)
     updates.apply(req.names, tensors)
@@ -236,11 +237,11 @@ async def _receive_and_apply(req: p.UpdateWeightsFromDistributedReqInput, update
 
 
 def _prompts(req: p.GenerateReqInput, engine: CpuEngine) -> list[list[int]]:
-    if req.input_ids is not None:
-        return req.input_ids if req.is_batch else [req.input_ids]
+    if req.input_ids is not None:  # is_batch says which of the two shapes it is
+        return cast(list[list[int]], req.input_ids) if req.is_batch else [cast(list[int], req.input_ids)]
     if engine.tokenizer is None:
         raise EngineError("text: this model has no tokenizer; send input_ids")
-    texts = req.text if isinstance(req.text, list) else [req.text]
+    texts = req.text if isinstance(req.text, list) else [cast(str, req.text)]  # one of the two is given
     return [engine.tokenizer.encode(t) for t in texts]
 
 

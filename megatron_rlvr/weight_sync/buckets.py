@@ -10,8 +10,8 @@ test runs SGLang's own code to confirm it)."""
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 

@@ -5,6 +5,7 @@ talks to the engines, on the event loop it owns."""
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import torch.distributed as dist
 
@@ -23,14 +24,16 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
         for _ in learner.export_hf():
             pass
     else:
+        assert loop is not None, "the source rank passes its event loop"
         report = loop.run_until_complete(syncer.sync(learner.export_hf(), version))
     tolerance = learner.cfg.weight_sync.parity_tolerance
     if tolerance is None:
         return {} if syncer is None else _report_metrics(report)
-    box = [None]
+    box: list[Any] = [None]
     vocab = learner.bridge.hf_config.vocab_size
     prompt = [t % vocab for t in PROBE_TOKENS]
     if syncer is not None:
+        assert loop is not None
         responses = loop.run_until_complete(engine_samples(
             syncer.member_clients, prompt, max_new_tokens=probe_tokens,
             temperature=learner.cfg.rollout.temperature))

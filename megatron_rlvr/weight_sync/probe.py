@@ -44,12 +44,14 @@ def probe_batch(prompt_ids: list[int], responses: list[p.GenerateResponse]) -> T
 def check_parity(clients: list[EngineClient], prompt_ids: list[int], responses: list[p.GenerateResponse],
                  learner_logprobs: torch.Tensor, tolerance: float) -> dict[str, float]:
     """Max |engine − learner| logprob per engine; ParityError above the tolerance."""
-    gaps = {}
+    gaps: dict[str, float] = {}
     start = len(prompt_ids)
     for client, response, row in zip(clients, responses, learner_logprobs):
-        engine = torch.tensor([lp for lp, _, _ in response.meta_info.output_token_logprobs])
+        logprobs = response.meta_info.output_token_logprobs
+        assert logprobs is not None, "engine_samples asks for logprobs"
+        engine = torch.tensor([lp for lp, _, _ in logprobs])
         gaps[client.base_url] = float((engine - row[start : start + len(engine)]).abs().max())
-    worst = max(gaps, key=gaps.get)
+    worst = max(gaps, key=lambda url: gaps[url])
     if gaps[worst] > tolerance:
         raise ParityError(f"engine {worst} disagrees with the learner after the weight sync: max "
                           f"|Δlogprob| = {gaps[worst]:.3g} > weight_sync.parity_tolerance = {tolerance}")

@@ -25,16 +25,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Iterable, Iterator
 
 import torch
 
 from megatron_rlvr.config import WeightSyncConfig
+from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
-from megatron_rlvr.errors import UserError
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
 from megatron_rlvr.weight_sync.transport import abort_group, broadcast, bucket_device, group_layout, open_group
 
@@ -251,7 +251,7 @@ class WeightSyncer:
             try:
                 await asyncio.wait_for(asyncio.gather(*(step(c) for c in self.member_clients),
                                                       return_exceptions=True), timeout_s)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 log.warning("engines did not answer within %.0f s after a failed sync", timeout_s)
 
     async def _all(self, what: str, call) -> None:

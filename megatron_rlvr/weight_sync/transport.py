@@ -64,7 +64,7 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
                                                                dist.PrefixStore(group_name, store)))
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
-    return dist.ProcessGroupNCCL(prefixed, rank, world_size)
+    return dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]  # options: its stub omits the default
 
 
 def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
