@@ -1,5 +1,4 @@
-"""The pieces every config section is made of (kept apart so that config.py and
-config_data.py, which together hold the one config tree, both build on them)."""
+"""The pieces every config section is made of, and the error a config that cannot run raises."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """The config sections for a run's data: where prompts come from and how they are read
 (data), how responses are scored (verifier) and which held-out sets are evaluated while
-training (eval). Part of the one config tree in config.py, which re-exports every name here."""
+training (eval). Part of the one config tree; megatron_rlvr.config re-exports every name here."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from megatron_rlvr.config_base import PositiveInt, Section
-from megatron_rlvr.config_base import raise_problems as _raise
+from megatron_rlvr.config.base import PositiveInt, Section
+from megatron_rlvr.config.base import raise_problems as _raise
 
 # ----------------------------------------------------------------------------- verifier
 # Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in
@@ -28,6 +28,8 @@ class CodeVerifierConfig(Section):
 
 
 class VerifierConfig(Section):
+    """Which verifier scores each record, and the sandbox they run in."""
+
     kind: str = Field(
         "math", description="the verifier of records that name none and whose data_source is not in "
         "by_data_source: math, code, or a name in verifier.functions",
@@ -45,7 +47,7 @@ class VerifierConfig(Section):
     memory_mb: PositiveInt = Field(
         1024, description="address-space limit of one sandboxed code test or function call, MiB"
     )
-    code: CodeVerifierConfig = Field(default_factory=CodeVerifierConfig)
+    code: CodeVerifierConfig = Field(default_factory=CodeVerifierConfig, description="the code verifier")
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
@@ -77,10 +79,10 @@ class VerifierConfig(Section):
 class ArithmeticSource(Section):
     """The built-in tiny task: small sums and products with integer answers."""
 
-    type: Literal["arithmetic"] = "arithmetic"
-    num_prompts: PositiveInt = 512
-    max_operand: PositiveInt = 9
-    seed: int = 0
+    type: Literal["arithmetic"] = Field("arithmetic", description="arithmetic: the built-in task")
+    num_prompts: PositiveInt = Field(512, description="distinct problems")
+    max_operand: PositiveInt = Field(9, description="operands are drawn from 0..max_operand")
+    seed: int = Field(0, description="seed of the problems drawn")
 
 
 # Where each field of a record is found, per data.format (dotted paths into a row).
@@ -96,7 +98,7 @@ class FileSource(Section):
     """Prompts from JSONL or Parquet files. A prompt is a string or a list of {role, content}
     messages; keys are dotted paths into a row (reward_model.ground_truth)."""
 
-    type: Literal["file"] = "file"
+    type: Literal["file"] = Field("file", description="file: prompts from JSONL or Parquet files")
     path: str | list[str] = Field(description="a .jsonl or .parquet file, or a list of them")
     weights: list[float] | None = Field(
         None, description="mixing weight per file (the share of prompts drawn from it); None: "
@@ -187,7 +189,7 @@ class EvalConfig(Section):
     at_start: bool = Field(True, description="evaluate the initial policy (step 0) of a fresh run")
     n_samples: PositiveInt = Field(1, description="samples per prompt (n of pass@k and avg@n)")
     temperature: float = Field(0.0, ge=0.0, description="0: greedy")
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of eval samples; 1: off")
     max_new_tokens: PositiveInt | None = Field(None, description="None: rollout.max_new_tokens")
     pass_k: list[PositiveInt] | None = Field(
         None, description="k values of pass@k (each <= n_samples); None: 1 and n_samples"

@@ -1,0 +1,295 @@
+"""The sections of a run's config besides model and data (parallel, algo, rollout, buffer,
+weight sync, trainer, logging, launch) and `Config`, the whole tree a YAML file validates into."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import Field, model_validator
+
+from megatron_rlvr.config.base import PositiveInt, Section
+from megatron_rlvr.config.base import raise_problems as _raise
+from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, VerifierConfig
+from megatron_rlvr.config.model import ModelConfig, TinyModel
+
+
+# ----------------------------------------------------------------------------- parallel
+class ParallelConfig(Section):
+    """Learner layout. World size = tp · pp · dp; experts are split ep · etp ways."""
+
+    device: Literal["cpu", "cuda"] = Field("cpu", description="cpu uses gloo, cuda uses NCCL")
+    tp: PositiveInt = Field(1, description="tensor-parallel size")
+    pp: PositiveInt = Field(1, description="pipeline-parallel size")
+    ep: PositiveInt = Field(1, description="expert-parallel size")
+    etp: PositiveInt | None = Field(None, description="expert tensor-parallel size; None: tp")
+    dp: PositiveInt | None = Field(
+        None, description="data-parallel size; None: the smallest that fits ep · etp"
+    )
+    sequence_parallel: bool | None = Field(
+        None, description="None: on exactly when tp > 1 (Megatron MoE requires it then)"
+    )
+
+
+# ----------------------------------------------------------------------------- algo
+LossKind = Literal["grpo", "gspo"]
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# Clip ranges each loss is designed for: PPO-style token clip with clip-higher (DAPO) for
+# GRPO; GSPO's sequence ratio lives within ~1e-3 of 1, so its range is tiny.
+DEFAULT_CLIP = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+
+
+class AlgoConfig(Section):
+    """Policy-gradient algorithm: advantages, loss, clipping, importance correction, replay."""
+
+    kind: LossKind = Field("grpo", description="grpo: token ratio; gspo: sequence ratio")
+    normalize_std: bool = Field(
+        True, description="divide advantages by the group std (GRPO); false: Dr.GRPO"
+    )
+    clip_low: float | None = Field(None, description="ratio clip 1 - clip_low; None: per kind")
+    clip_high: float | None = Field(None, description="ratio clip 1 + clip_high; None: per kind")
+    clip_ratio_c: float | None = Field(
+        None, description="dual-clip bound for negative advantages (> 1), None: off"
+    )
+    agg: AggMode = Field("token-mean", description="how per-token losses become one loss")
+    tis_cap: float | None = Field(
+        2.0, description="truncated importance sampling cap on pi_old/pi_rollout; None: off"
+    )
+    tis_level: Literal["token", "sequence"] = Field(
+        "token", description="the TIS ratio per token, or one per sequence (the product of its tokens')"
+    )
+    routing_replay: Literal["none", "r2", "r3"] = Field(
+        "none", description="r2: replay the learner's own routing; r3: the engine's"
+    )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, description="entropy bonus weight (aggregated like the loss); keeps "
+        "exploration alive where groups would collapse to one answer",
+    )
+    num_minibatches: PositiveInt = Field(
+        1, description="optimizer steps per rollout batch (>1 is off-policy)"
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> AlgoConfig:
+        problems = []
+        if self.clip_low is not None and not 0.0 < self.clip_low < 1.0:
+            problems.append(f"algo.clip_low = {self.clip_low}: must be in (0, 1)")
+        if self.clip_high is not None and not 0.0 < self.clip_high <= 10.0:
+            problems.append(f"algo.clip_high = {self.clip_high}: must be in (0, 10]")
+        if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
+            problems.append(f"algo.clip_ratio_c = {self.clip_ratio_c}: must be > 1 or null")
+        if self.tis_cap is not None and self.tis_cap < 1.0:
+            problems.append(f"algo.tis_cap = {self.tis_cap}: must be >= 1 or null")
+        _raise(problems)
+        return self
+
+
+# ----------------------------------------------------------------------------- rollout
+class CpuEngine(Section):
+    """The project's own engine server: SGLang's HTTP API on top of HF transformers."""
+
+    type: Literal["cpu"] = Field("cpu", description="cpu: the project's own engine server")
+    dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="engine weights dtype (bf16 makes routing differ from fp32)"
+    )
+
+
+class SglangEngine(Section):
+    """Real SGLang 0.5.23 servers: on GPUs (device cuda), or on CPU (device cpu: tests and small
+    runs, from the interpreter scripts/setup_sglang_cpu.sh builds)."""
+
+    type: Literal["sglang"] = Field("sglang", description="sglang: real SGLang servers")
+    device: Literal["cuda", "cpu"] = Field(
+        "cuda", description="cpu: the launcher adds SGLang's CPU flags and environment itself"
+    )
+    python: str | None = Field(
+        None, description="interpreter that has SGLang (e.g. .venv-sglang/bin/python); None: the "
+        "project's own. Checked when the config loads",
+    )
+    tp: PositiveInt = Field(1, description="tensor-parallel size of each server")
+    ep: PositiveInt = Field(1, description="expert-parallel size of each server")
+    mem_fraction_static: float = Field(
+        0.7, gt=0.0, lt=1.0, description="share of GPU memory for weights and KV cache (SGLang's flag)"
+    )
+    dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="engine weights dtype")
+    gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None, description="launch.mode = local only: the GPU ids the engines use, tp of them per "
+        "engine in order; None: the GPUs after the learner's GPU 0",
+    )
+    extra_args: list[str] = Field(default_factory=list, description="passed to launch_server")
+
+
+class RolloutConfig(Section):
+    """Engine servers and how training rollouts are sampled from them."""
+
+    engine: Annotated[CpuEngine | SglangEngine, Field(discriminator="type")] = Field(
+        default_factory=CpuEngine, description="the engine servers: cpu (the project's own) or sglang"
+    )
+    num_engines: PositiveInt = Field(1, description="engine servers (one per DP replica)")
+    host: str = Field("127.0.0.1", description="address the engines bind to")
+    n_samples_per_prompt: int = Field(8, ge=2, description="group size n (needs >= 2)")
+    max_new_tokens: PositiveInt = Field(16, description="longest response (longer ones are cut: finish_reason length)")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of training rollouts")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of training rollouts; 1: off")
+    return_routed_experts: bool | None = Field(
+        None, description="capture the engine's routing; None: on exactly for r3"
+    )
+    request_timeout_s: float = Field(
+        120.0, gt=0.0, description="how long one generate request may take before its engine counts as unanswering"
+    )
+    start_timeout_s: float = Field(
+        600.0, gt=0.0, description="how long one engine server may take to answer /health (large "
+        "checkpoints load slowly); progress goes to the log every 30 s",
+    )
+    seeded_sampling: bool | None = Field(
+        None, description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
+        "None: on for the CPU engine (which derives one per sample), off for SGLang",
+    )
+
+
+# ----------------------------------------------------------------------------- buffer
+class PromptSkipConfig(Section):
+    """Skip, before rollout, prompts whose recent groups were all zero-std (GRESO): a prompt
+    with k such groups in a row is skipped with probability min(max_probability,
+    1 - explore^k), so it is still probed now and then."""
+
+    enabled: bool = Field(False, description="skip prompts that keep giving zero-std groups")
+    explore_solved: float = Field(
+        0.5, gt=0.0, le=1.0, description="explore rate of always-solved prompts (1: never skip them)"
+    )
+    explore_unsolved: float = Field(
+        0.5, gt=0.0, le=1.0, description="explore rate of never-solved prompts (1: never skip them)"
+    )
+    max_probability: float = Field(
+        0.9, ge=0.0, lt=1.0, description="cap on the skip probability (< 1: every prompt is probed again)"
+    )
+
+
+class BufferConfig(Section):
+    """Which generated groups a step trains on, and how much it may generate for them."""
+
+    batch_groups: PositiveInt = Field(8, description="useful prompt groups per step")
+    zero_std_eps: float = Field(1e-6, ge=0.0, description="groups with reward std <= eps drop")
+    max_staleness: int = Field(1, ge=0, description="policy versions a group may lag")
+    async_rollout: bool = Field(False, description="generate step k+1 while training step k")
+    max_generated_groups_per_step: PositiveInt | None = Field(
+        None, description="most prompt groups one step may generate; at the bound the step trains on the "
+        "useful groups it has (a short batch, counted), and a bound spent without enough useful groups "
+        "ends the run with a checkpoint; None: 64 x batch_groups",
+    )
+    skip_prompts: PromptSkipConfig = Field(
+        default_factory=PromptSkipConfig, description="skipping prompts that keep giving zero-std groups"
+    )
+
+
+# ----------------------------------------------------------------------------- weight sync
+class WeightSyncConfig(Section):
+    """How the learner's weights reach the engines after each step, and how that is checked."""
+
+    bucket_mb: float = Field(512.0, gt=0.0, description="max bytes of one flat bucket, MiB")
+    backend: Literal["auto", "gloo", "nccl"] = Field(
+        "auto", description="auto: nccl when the learner and the engines are all on cuda, else gloo"
+    )
+    pause_mode: Literal["abort", "retract", "in_place"] = Field(
+        "retract", description="what engines do with requests in flight during a sync; after "
+        "abort or retract the engines' prefix cache is flushed before they resume",
+    )
+    checksum: bool | None = Field(
+        None, description="engines verify a per-bucket sha256 (a CPU-engine extension SGLang has "
+        "not got); None: on for the CPU engine, off for SGLang",
+    )
+    parity_tolerance: float | Literal["auto"] | None = Field(
+        "auto", description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
+        "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
+    )
+    refusal_wait_s: float = Field(
+        0.5, ge=0.0, le=60.0, description="how long the first bucket of a sync waits for an "
+        "engine's refusal before its broadcast is posted (an unmatched NCCL broadcast hangs)",
+    )
+
+
+# Default post-sync parity tolerance by the lowest precision of engine and learner. fp32 on
+# both sides agrees to ~1e-5; bf16 differs by ~0.02 per token and ~0.3 where a MoE routing
+# flips (measured on CPU, configs/compare-replay-cpu.yaml); a broken sync is off by nats.
+PARITY_TOLERANCE = {"float32": 1e-3, "float16": 0.1, "bfloat16": 0.5}
+
+
+class TrainerConfig(Section):
+    """Steps, optimizer and schedule, learner precision, checkpoints."""
+
+    output_dir: str = Field("runs/tiny-moe-cpu", description="checkpoints, logs, metrics")
+    steps: PositiveInt = Field(20, description="training steps (one rollout batch each)")
+    lr: float = Field(1e-3, gt=0.0, description="peak learning rate (Adam)")
+    min_lr: float = Field(0.0, ge=0.0, description="the learning rate a decay ends at")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to lr")
+    weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
+    grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
+    micro_batch_size: PositiveInt = Field(8, description="sequences per forward/backward")
+    dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
+    distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")
+    lr_decay_style: Literal["constant", "linear", "cosine"] = Field(
+        "constant", description="lr after warm-up: constant, or decayed to min_lr over the run"
+    )
+    recompute_activations: bool = Field(
+        False, description="recompute each layer's activations in backward (saves memory)"
+    )
+    seed: int = Field(0, description="seed of Megatron's RNGs, the prompt order and the rollouts' sampling")
+    save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
+    resume: bool = Field(
+        False, description="continue from output_dir's checkpoint (weights, optimizer, sampler and "
+        "buffer; a synchronous CPU run then logs what an uninterrupted one would); false: start afresh",
+    )
+
+
+class WandbConfig(Section):
+    """Weights & Biases, beside metrics.jsonl and TensorBoard (pip install -e '.[wandb]')."""
+
+    project: str = Field(description="W&B project")
+    entity: str | None = Field(None, description="team or user; None: your default")
+    name: str | None = Field(None, description="run name; None: trainer.output_dir's folder name")
+    group: str | None = Field(None, description="W&B group of runs; None: none")
+    tags: list[str] = Field(default_factory=list, description="W&B tags")
+    mode: Literal["online", "offline"] = Field(
+        "online", description="offline: written under output_dir/wandb, synced later with `wandb sync`"
+    )
+
+
+class LoggingConfig(Section):
+    """Log level and where metrics go beside metrics.jsonl."""
+
+    level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = Field("INFO", description="the run's log level")
+    tensorboard: bool = Field(True, description="scalars also to output_dir/tensorboard")
+    wandb: WandbConfig | None = Field(None, description="None: no Weights & Biases")
+
+
+class LaunchConfig(Section):
+    """Where the run's components live (launch/placement.py) and the local Ray they may start."""
+
+    mode: Literal["ray", "local"] = Field(
+        "ray", description="ray: learner ranks, engines, buffer and verifiers as Ray actors; "
+        "local: one learner rank in this process, no Ray (debugging)",
+    )
+    ray_address: str | None = Field(None, description="None: start a local Ray")
+    num_cpus: PositiveInt | None = Field(None, description="local Ray CPUs; None: all")
+    object_store_mb: PositiveInt = Field(512, description="local Ray object store size")
+
+
+class Config(Section):
+    """The whole run."""
+
+    model: ModelConfig = Field(default_factory=TinyModel, description="the policy: tiny (random) or hf")
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig, description="the learner's layout")
+    algo: AlgoConfig = Field(default_factory=AlgoConfig, description="the policy-gradient algorithm")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="engines and sampling")
+    buffer: BufferConfig = Field(default_factory=BufferConfig, description="which groups a step trains on")
+    weight_sync: WeightSyncConfig = Field(
+        default_factory=WeightSyncConfig, description="how the learner's weights reach the engines"
+    )
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig, description="how responses are scored")
+    data: Annotated[ArithmeticData | FileData, Field(discriminator="type")] = Field(
+        default_factory=ArithmeticData, description="the training prompts: arithmetic (built in) or file"
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out sets scored while training")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="steps, optimizer, checkpoints")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="where metrics go")
+    launch: LaunchConfig = Field(default_factory=LaunchConfig, description="where the components run")
