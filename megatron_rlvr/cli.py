@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from typing import TYPE_CHECKING
 
 from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.config import load_config, to_yaml
@@ -11,6 +12,9 @@ from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.errors import UserError, original
 from megatron_rlvr.launch import slurm
 from megatron_rlvr.stopping import StopRequested, StopSignals
+
+if TYPE_CHECKING:
+    from megatron_rlvr.trainer import Outcome  # heavy: imported when a run starts
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -69,9 +73,15 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     except StopRequested as err:
         print(f"megatron-rlvr train: {err}; every component was stopped", file=sys.stderr)
         return 130
+    return train_exit_code(outcome)
+
+
+def train_exit_code(outcome: Outcome) -> int:
+    """The exit code of a run that ended without an error: 1 when a component failed to stop
+    (the training itself finished; what failed is in the log above), else 0."""
     if outcome.message:
         print(f"megatron-rlvr train: {outcome.message}", file=sys.stderr)
-    if outcome.teardown_failures:  # the training finished; what failed is in the log above
+    if outcome.teardown_failures:
         print(f"megatron-rlvr train: finished, but stopping failed for: {', '.join(outcome.teardown_failures)}",
               file=sys.stderr)
         return 1
