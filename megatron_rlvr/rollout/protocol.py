@@ -146,10 +146,3 @@ class AbortReqInput(Strict):
 
 class UpdateWeightVersionReqInput(Strict):
     new_version: str
-
-
-class ApiResult(BaseModel):
-    """SGLang's shape for the control endpoints' replies."""
-
-    success: bool
-    message: str = ""
