@@ -8,7 +8,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -214,8 +213,16 @@ def test_arithmetic_tokenizer_round_trips_and_renders_its_chat_template(tmp_path
 def test_a_run_s_data_check_is_quick_and_starts_nothing(tmp_path):
     rows = [gsm8k_row(i, f"What is {i} plus {i}?", str(2 * i)) for i in range(20000)]
     path = write_verl_parquet(tmp_path / "big.parquet", rows)
-    cfg = load_config(TINY, ["data.type=file", f"data.path={path}", "data.format=verl"])
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    assert len(check_inputs(cfg)["data"].records) == 20000
-    assert {p.pid for p in psutil.Process().children(recursive=True)} == before
-    assert "ray" not in sys.modules and "megatron.core" not in sys.modules and os.environ.get("RAY_ADDRESS") is None
+    # a fresh interpreter: other tests in this session may have imported Ray or Megatron already
+    probe = f"""
+import os, sys, psutil
+from megatron_rlvr.config import load_config
+from megatron_rlvr.data import check_inputs
+cfg = load_config({str(TINY)!r}, ["data.type=file", "data.path={path}", "data.format=verl"])
+print(len(check_inputs(cfg)["data"].records), len(psutil.Process().children(recursive=True)),
+      "ray" in sys.modules, "megatron.core" in sys.modules, os.environ.get("RAY_ADDRESS"))
+"""
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["20000", "0", "False", "False", "None"]
