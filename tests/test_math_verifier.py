@@ -15,7 +15,7 @@ from megatron_rlvr.rewards import VERIFIERS
 from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
 from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer
-from megatron_rlvr.rewards.math_text import box_at, box_starts, extract_answers
+from megatron_rlvr.rewards.math_text import AnswerError, box_at, box_starts, extract_answers
 
 DATA = Path(__file__).parent / "data"
 CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]
@@ -55,9 +55,12 @@ def _rewrite(case: dict, kind: int) -> tuple[str, str] | None:
     if kind >= 6:
         return (response, ("${}$" if kind == 6 else "\\boxed{{{}}}").format(gold)) if "$" not in gold else None
     boxes = box_starts(response)
+    try:
+        content, end = box_at(response, boxes[0]) if boxes else ("", -1)
+    except AnswerError:  # a box the token limit cut off has nothing to rewrite
+        return None
     if not boxes:
         return None
-    content, end = box_at(response, boxes[0])
     new = [f" {content} ", f"\\displaystyle {content}", f"{{{content}}}", content.replace("\\frac", "\\dfrac"),
            f"{content}.", content.replace("-", "\u2212")][kind]
     return response[: boxes[0]] + "\\boxed{" + new + "}" + response[end:], gold
@@ -129,6 +132,11 @@ def test_reasons_are_counted(verifier):
                           ["1", "1", "1", "3"])
     delta = verifier.stats - before
     assert delta == Counter({"exact": 1, "no_answer": 1, "too_large": 1, "hedged": 1})
+    # cut off by the token limit: inside <think>, mid-sentence, inside the box, after "the answer is"
+    cut = ["<think>\nSo far 3 + 4 = 7, then", "First, 3 + 4 = 7. " * 8 + "Then we multiply the result by",
+           "Adding up, 3 + 4 = 7, so \\boxed{\\frac{7}{", "We get 3 + 4 = 7. Therefore, the final answer is"]
+    assert verifier.verify_batch(cut, ["7"] * 4) == [(0.0, "no_final_answer")] * 4
+    assert verifier.stats["no_final_answer"] - before["no_final_answer"] == 4
 
 
 def test_function_api_and_registry():

@@ -89,7 +89,7 @@ def test_each_record_goes_to_its_verifier_with_reasoning_stripped(user_module, m
     try:
         math = PromptRecord("m", "2+2=", "4", "math")
         assert verifiers.verify(["<think>maybe 5</think>The answer is \\boxed{4}", "<think>4? or 5", "5"], math) == [
-            (1.0, "exact"), (0.0, "no_answer"), (0.0, "numeric_mismatch")]
+            (1.0, "exact"), (0.0, "no_final_answer"), (0.0, "numeric_mismatch")]
         code = PromptRecord("c", "add", json.dumps({"inputs": ["1 2"], "outputs": ["3"]}), "code")
         solution = "<think>```python\nprint(0)\n```</think>```python\nprint(sum(map(int, input().split())))\n```"
         assert verifiers.verify([solution, "print(4)"], code) == [(1.0, "passed"), (0.0, "wrong_answer")]

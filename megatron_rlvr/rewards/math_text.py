@@ -91,9 +91,13 @@ _CORRECTION = re.compile(r"\b(?:wait|actually|mistake|re-?check|correct|error|in
 def _final_boxes(text: str) -> list[str]:
     """The contents of the boxes that form the final answer (one, or several joined)."""
     starts = box_starts(text)
-    last_content, _ = box_at(text, starts[0])
+    try:
+        last_content, last_end = box_at(text, starts[0])
+    except AnswerError as err:  # \boxed{\frac{120}{ and then the token limit
+        raise AnswerError("no_final_answer" if err.reason == "unbalanced_braces" else err.reason) from None
     group = [last_content]
     group_start = starts[0]
+    group_starts = [starts[0]]
     for at in starts[1:]:
         try:
             content, end = box_at(text, at)
@@ -111,7 +115,28 @@ def _final_boxes(text: str) -> list[str]:
             break
         group.append(content)
         group_start = at
-    return group[::-1]
+        group_starts.append(at)
+    return _as_point(text, group[::-1], group_starts[::-1], last_end)
+
+
+_LABEL = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z])\s*=\s*(?:\$|\\\(|\s)*$")  # "y = $" before a box
+_MATH_OPENERS = re.compile(r"(?:\\\(|\\\[|\$|\s)+$")
+_MATH_CLOSERS = re.compile(r"^(?:\\\)|\\\]|\$|\s)+")
+
+
+def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> list[str]:
+    """Several boxes that spell one point: `(\\boxed{3}, \\boxed{-2})` is "(3, -2)"; boxes labelled
+    with distinct names (`a = \\boxed{1}`, `b = \\boxed{4}`) keep their labels."""
+    if len(contents) < 2:
+        return contents
+    before = _MATH_OPENERS.sub("", text[max(0, starts[0] - 20) : starts[0]])
+    after = _MATH_CLOSERS.sub("", text[end : end + 20])
+    if before.endswith(("(", "\\left(")) and after.startswith((")", "\\right)")):
+        return ["(" + ", ".join(contents) + ")"]
+    labels = [_LABEL.search(text[max(0, at - 20) : at]) for at in starts]
+    if all(labels) and len({label.group(1) for label in labels}) == len(labels):
+        return [f"{label.group(1)} = {content}" for label, content in zip(labels, contents)]
+    return contents
 
 
 _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any text
@@ -120,8 +145,21 @@ _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any tex
     re.IGNORECASE,
 )
 _MATH_SPAN = re.compile(r"\$\$(.{1,3000}?)\$\$|\$(.{1,3000}?)\$|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]", re.DOTALL)
-_SENTENCE_END = re.compile(r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b")
-_NUMBER = re.compile(r"(?:[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
+_SENTENCE_END = re.compile(
+    r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
+    r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
+)
+_FILLER = re.compile(  # "the answer is therefore the number 42"
+    r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
+    r"given by)\s+)+", re.IGNORECASE)
+_WORDS_IN_PARENS = re.compile(r"[ \t]*\((?:[A-Za-z]{2,}[ ,]*)+\)")  # "7 (seven) apples"
+_PLAIN_UNITS = {
+    "m", "s", "km", "h", "hr", "hrs", "kg", "g", "mg", "cm", "mm", "N", "J", "W", "kW", "V", "Pa", "kPa", "Hz",
+    "min", "sec", "ft", "in", "yd", "mi", "mph", "kph", "L", "mL", "ml", "lb", "lbs", "oz",
+}
+_NUMBER_AND_UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)")
+_NUMBER = re.compile(r"(?:\d+'\s?\d+(?:''|\")|[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
+_BOLD = re.compile(r"\*\*([^*\n]{1,200})\*\*")
 _NO_SOLUTION = re.compile(r"no (?:real )?solutions?", re.IGNORECASE)
 _JOINED_SPANS = re.compile(r"(?:\s|,|;|\band\b|\bor\b|\bboth\b)*", re.IGNORECASE)
 
@@ -136,6 +174,7 @@ def _after_answer_is(tail: str) -> list[str]:
     commas join them ("$x=1$ and $x=5$"), else the first span, else the plain text."""
     tail = tail[: MAX_ANSWER_CHARS + 200].lstrip(" \t*:\n")
     tail = re.sub(r"^either\s+", "", tail, flags=re.IGNORECASE)
+    tail = tail[_FILLER.match(tail).end() :] if _FILLER.match(tail) else tail
     spans = list(_MATH_SPAN.finditer(tail))
     masked = list(tail)
     for span in spans:
@@ -148,16 +187,43 @@ def _after_answer_is(tail: str) -> list[str]:
         if spans[-1].end() == len(sentence.rstrip()) and all(_JOINED_SPANS.fullmatch(g) for g in between):
             return [_span_content(span) for span in spans]
         return [_span_content(spans[0])]
-    answer = sentence.strip().strip("*").strip()
-    return [answer] if answer else []
+    answer = _WORDS_IN_PARENS.sub("", sentence).strip().strip("*").strip()
+    return [_plain_units(answer)] if answer else []
+
+
+def _plain_units(answer: str) -> str:
+    """A number with units typed as plain text ("4.5 m/s", "36 cm^2") → the units in
+    \\text{}, so that they are read as units and never as variables."""
+    match = _NUMBER_AND_UNITS.fullmatch(answer)
+    if match and all(w in _PLAIN_UNITS for w in re.findall(r"[a-zA-Z]+", match.group(2))):
+        return match.group(1) + " " + re.sub(r"[a-zA-Z]+", lambda w: r"\text{" + w.group(0) + "}", match.group(2))
+    return answer
 
 
 def _strip_thinking(text: str) -> str:
-    """Drafts inside <think>…</think> are not answers: what follows the last </think> is."""
+    """Drafts inside <think>…</think> are not answers: what follows the last </think> is. A
+    response that opens <think> and never closes it was cut off while reasoning."""
     at = text.rfind("</think>")
-    if at >= 0 and text[at + 8 :].strip():
+    if at >= 0:
+        if not text[at + 8 :].strip():
+            raise AnswerError("no_final_answer")  # thought, then stopped before answering
         return text[at + 8 :]
+    if "<think>" in text:
+        raise AnswerError("no_final_answer")
     return text
+
+
+MIN_CUT_CHARS = 100  # a short reply without a full stop is terse, not cut off
+_OPEN_END = re.compile(r"(?:[=+\-*/^(\[{,:]|\\(?:times|cdot|frac|sqrt))\s*\$?\s*$")
+
+
+def _cut_off(text: str) -> bool:
+    """Whether a response with no stated answer stops mid-sentence or mid-formula, as one cut
+    by a token limit does: on a word, an operator, an open bracket, a comma or a colon."""
+    tail = text[-200:].rstrip()
+    if len(text.strip()) < MIN_CUT_CHARS:
+        return False
+    return tail[-1:].isalpha() or _OPEN_END.search(tail) is not None
 
 
 def extract_answers(response: str) -> list[str]:
@@ -174,8 +240,12 @@ def extract_answers(response: str) -> list[str]:
         found = _after_answer_is(text[hashes + 4 :])
     elif answer_at is not None:
         found = _after_answer_is(text[answer_at.end() :])
+        if not found and not text[answer_at.end() :].strip():
+            raise AnswerError("no_final_answer")  # "Therefore, the final answer is" and nothing
     else:
         found = []
+    if not found and _cut_off(text):
+        raise AnswerError("no_final_answer")
     return found or [_last_math_or_number(text)]
 
 
@@ -183,11 +253,16 @@ def _last_math_or_number(text: str) -> str:
     """The last number, or the last $…$ span when that holds the last number or comes after it
     (searched in the response's tail only, so unclosed spans cannot make this quadratic)."""
     text = text[-4 * MAX_ANSWER_CHARS :]
-    number = span = None
+    number = span = bold = None
     for number in _NUMBER.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
     for span in _MATH_SPAN.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
+    for bold in _BOLD.finditer(text):  # noqa: B007 (the loop keeps the last match)
+        pass
+    if bold is not None and bold.group(1).rstrip()[-1:] != ":" and not text.startswith(":", bold.end()) and \
+            all(other is None or bold.end() >= other.end() for other in (number, span)):
+        return bold.group(1)  # "The winner is **Devon**." (a heading ends with a colon)
     if span is not None and (number is None or span.end() >= number.end()):
         return _span_content(span)
     if number is None:

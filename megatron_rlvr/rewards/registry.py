@@ -1,5 +1,6 @@
 """Every verifier of a run behind one call: a group's responses go to the verifier its record
-names (math, code, or one of the user's functions), with reasoning stripped first."""
+names (math, code, or one of the user's functions), with reasoning stripped first (math and
+code strip it themselves)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rewards.code import CodeVerifier
 from megatron_rlvr.rewards.custom import FunctionVerifier
 from megatron_rlvr.rewards.math import MathVerifier
-from megatron_rlvr.rewards.reasoning import strip_reasoning
 
 Verdict = tuple[float, str]
 
@@ -28,7 +28,9 @@ class Verifiers:
     def verify(self, responses: list[str], record: PromptRecord) -> list[Verdict]:
         """(reward, reason) per response to `record`."""
         if record.verifier == "math":
-            return self.math.verify_batch([strip_reasoning(r) for r in responses], [str(record.answer)] * len(responses))
+            # math strips reasoning itself, so that a response cut off inside <think> counts as
+            # no_final_answer, apart from one that gave no answer at all
+            return self.math.verify_batch(responses, [str(record.answer)] * len(responses))
         if record.verifier == "code":
             return self.code.verify_batch(responses, record.answer)  # extract_code strips reasoning
         return self.functions[record.verifier].verify_batch(responses, record.to_dict())
