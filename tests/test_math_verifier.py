@@ -175,6 +175,17 @@ def test_where_the_final_answer_is(response, answers):
     ("12\\text{ m}^2", "12 \\TXT{m} ^2"),
     ("\u22125 \u00d7 \u221a3", "-5 \\times \\sqrt{3}"),
     ("45^{\\circ}", "45 \\deg"),
+    ("]-\\infty; 3[", "(-\\infty, 3)"),
+    ("(1, 2) U [3, 4]", "(1, 2) \\cup [3, 4]"),
+    ("{}_5C_2", "\\binom{5}{2}"),
+    ("C(7, 3)", "\\binom{7}{3}"),
+    ("\\hat{\\imath} - 2\\mathbf{k}", "\\hat{i} - 2 \\hat{k}"),
+    ("4.8\\text{E-}19", "4.8e-19"),
+    ("2a_{16}", "\\numeral{2A}{16}"),
+    ("(1011)_{\\text{two}}", "\\numeral{1011}{2}"),
+    ("f'(x) = 2x", "f_{p1}(x) = 2x"),
+    ("5'6\"", "66 \\TXT{in}"),
+    ("3\u221a(2) + \u00bd", "3\\sqrt(2) + \\frac{1}{2}"),
 ])
 def test_cleaning(answer, cleaned):
     assert clean(answer) == cleaned

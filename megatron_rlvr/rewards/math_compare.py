@@ -3,7 +3,10 @@ OlympiadBench answers decide, with three outcomes: True, False, or None when onl
 tell (then the pair goes to the sandbox, which runs this same code with a sympy backend).
 
 The rules, in order:
-- a choice letter equals the same letter, with or without its parentheses or value;
+- a choice letter equals the same letter, with or without its parentheses or value; several
+  letters compare as a set (`C, A` = `(A), (C)` = `AC`);
+- math_shapes first: unit vectors against a vector, a scalar times a matrix, a numeral in a base
+  against the same digits; values boxed one by one against a point that cannot be an interval;
 - words equal the same words (case and punctuation aside); "no solution" is the empty set;
 - `x \\in S` is S; an equation chain in the response is its last member when the gold answer is
   not an equation (`x = 3` is 3, `x = 10/2 = 5` is 5), and a gold `y = 2x + 3` (a name on the
@@ -36,6 +39,7 @@ from megatron_rlvr.rewards.math_eval import (
     values_differ,
 )
 from megatron_rlvr.rewards.math_parse import INFINITY
+from megatron_rlvr.rewards.math_shapes import choice_letters, numeral_equal, scaled_matrix, unit_vector
 from megatron_rlvr.rewards.math_text import AnswerError
 
 Tri = bool | None
@@ -136,8 +140,14 @@ class Comparison:
 
     # ------------------------------------------------------------------ dispatch
     def equal(self, a, b) -> Tri:
-        a, b = _unwrap(a), _unwrap(b)
+        a, b = _unwrap(scaled_matrix(a)), _unwrap(scaled_matrix(b))
         ka, kb = a[0], b[0]
+        letters_a, letters_b = choice_letters(a), choice_letters(b)
+        if letters_a and letters_b and (ka in _COLLECTIONS or kb in _COLLECTIONS):
+            return self.note(letters_a == letters_b, "text")  # C, A against (A), (C) or AC
+        numeral = numeral_equal(a, b)
+        if numeral is not None:
+            return self.note(numeral, "text")
         if "choice" in (ka, kb):
             return self.choice_equal(a, b)
         if "text" in (ka, kb):
@@ -202,6 +212,8 @@ class Comparison:
         if other[0] == "tuple" and _named_values(coll, len(other[1])):  # x = 1, y = 2 against (1, 2)
             values = ("tuple", _named_values(coll, len(other[1])))
             return self.equal(values, other) if coll is a else self.equal(other, values)
+        if coll is a and coll[0] == "list" and other[0] == "tuple" and _point_of(coll, other):
+            return self.equal(("tuple", coll[1]), other)  # \boxed{3}, \boxed{-2} against (3, -2)
         if coll is a and other[0] not in ("tuple", "matrix", "interval", "union"):
             result = self.set_equal(a[1], (b,))  # several answers to a one-answer question
             if result is False:
@@ -226,6 +238,10 @@ class Comparison:
 
     def sequence_equal(self, a, b) -> Tri:
         a, b = _as_sequence(a), _as_sequence(b)
+        if a[0] == "tuple" and b[0] not in ("tuple", "matrix"):
+            b = unit_vector(b, len(a[1])) or b
+        elif b[0] == "tuple" and a[0] not in ("tuple", "matrix"):
+            a = unit_vector(a, len(b[1])) or a
         if a[0] != b[0] or a[0] not in ("tuple", "matrix"):
             return self.shape()
         if a[0] == "matrix":
@@ -309,6 +325,19 @@ def _named_values(coll, length: int) -> tuple | None:
     return tuple(i[1][1] for i in sorted(items, key=lambda i: i[1][0][1]))
 
 
+def _point_of(values, point) -> bool:
+    """Whether a list of plain values reads as the point: as many values, and a point that
+    cannot be an open interval (a pair (a, b) with a < b could be one)."""
+    items = values[1]
+    if len(items) != len(point[1]) or any(x[0] in ("rel", "tuple", "set", "list", "interval", "text")
+                                           for x in items):
+        return False
+    if len(items) == 2:
+        lo, hi = rational(point[1][0]), rational(point[1][1])
+        return lo is not None and hi is not None and lo >= hi
+    return True
+
+
 def _is_equation(node) -> bool:
     return node[0] == "rel" and all(op == "=" for op in node[2])
 
@@ -317,8 +346,8 @@ def _is_name(node) -> bool:
     """x, x_1, f(x) (parsed as f·x), (x, y): what names a value on an equation's left."""
     if node[0] == "sym":
         return True
-    if node[0] == "mul":
-        return len(node[1]) <= 3 and all(f[0] == "sym" for f in node[1])
+    if node[0] == "mul":  # f(x), f^{-1}(x)
+        return len(node[1]) <= 3 and all(f[0] == "sym" or f[0] == "pow" and f[1][0] == "sym" for f in node[1])
     if node[0] == "tuple":
         return all(item[0] == "sym" for item in node[1])
     return False

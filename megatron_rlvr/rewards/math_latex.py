@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 
+from megatron_rlvr.rewards.math_forms import rewrite_forms
 from megatron_rlvr.rewards.math_text import MAX_ANSWER_CHARS, AnswerError, matching_brace
 
 _UNICODE = {
@@ -19,6 +20,9 @@ _UNICODE = {
     "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u2032": "'", "\u2248": r"\approx ",
     "\u00bd": r"\frac{1}{2}", "\u2153": r"\frac{1}{3}", "\u2154": r"\frac{2}{3}", "\u00bc": r"\frac{1}{4}",
     "\u00be": r"\frac{3}{4}", "\u2155": r"\frac{1}{5}", "\u2159": r"\frac{1}{6}", "\u215b": r"\frac{1}{8}",
+    "\u2156": r"\frac{2}{5}", "\u2157": r"\frac{3}{5}", "\u2158": r"\frac{4}{5}", "\u215a": r"\frac{5}{6}",
+    "\u215c": r"\frac{3}{8}", "\u215d": r"\frac{5}{8}", "\u215e": r"\frac{7}{8}", "\u2150": r"\frac{1}{7}",
+    "\u2151": r"\frac{1}{9}", "\u2152": r"\frac{1}{10}", "\u2044": "/", "\u2033": "''",
 }
 _SUPERSCRIPT = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b", "0123456789-"))
 _SUPERSCRIPTS = re.compile("[" + "".join(_SUPERSCRIPT) + "]+")
@@ -51,10 +55,10 @@ _DEGREES = re.compile(  # braces only in pairs: {90^\circ} keeps its group's clo
 _PERCENT = re.compile(r"\\?%")
 _CURRENCY = re.compile(r"\\\$|\\euro|[\u20ac\u00a3]|\\pounds")
 _TEXT_COMMAND = re.compile(
-    r"\\(text|textbf|textit|textrm|textsf|texttt|mathrm|mathbf|mathit|mathsf|mathtt|mbox|boldsymbol|bm|"
-    r"operatorname|mathbb|mathcal|emph|hbox)\s*\{([^{}]*)\}"
+    r"\\(text|textbf|textit|textrm|textsf|texttt|textnormal|textup|mathrm|mathbf|mathit|mathsf|mathtt|mathnormal|"
+    r"mbox|boldsymbol|bm|operatorname|mathbb|mathcal|emph|hbox)\s*\{([^{}]*)\}"
 )
-_FONT_GROUP = re.compile(r"\\(?:text|textbf|textit|textrm|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm)\s*(?=\{)")
+_FONT_GROUP = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm)\s*(?=\{)")
 _SCIENTIFIC_X = re.compile(r"(?<=\d)\s*[xX]\s*(?=10\s*\^)")  # 3 x 10^8
 _REPEATING_PARENS = re.compile(r"(\d\.\d*)\((\d+)\)")  # 0.(3), 0.1(6)
 _REPEATING_DOTS = re.compile(r"(\d\.\d*?)(\d)\2{2,}\s*(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
@@ -171,6 +175,7 @@ def clean(answer: str) -> str:
     s = _CURRENCY.sub(" ", s)
     s = _WRAPPERS.sub(" ", s)  # before unicode: √\left(x+1\right) is √(x+1)
     s = _unicode_to_latex(s).replace("**", "^")
+    s = rewrite_forms(s)
     s = _SCIENTIFIC_X.sub(r" \\times ", s)
     s = _REPEATING_PARENS.sub(r"\1\\overline{\2}", s)
     s = _REPEATING_DOTS.sub(r"\1\2\\overline{\2}", s)

@@ -43,7 +43,8 @@ _CONSTANTS = {"pi": ("const", "pi"), "infty": INFINITY, "infinity": INFINITY, "e
 _MATRICES = {"pmatrix", "bmatrix", "Bmatrix", "matrix", "smallmatrix", "array"}
 _RELATIONS = {"=", "<", ">", "<=", ">=", "!=", "in"}
 _SEPARATORS = {",", ";", "or", "and"}
-_CHOICE = re.compile(r"\(([A-E])\)\s*(.*)|([A-E])")
+_CHOICE = re.compile(  # (C), C, (C) 12, C) 12, C. 12 (never "(A), (C)": several choices)
+    r"(?:\(([A-E])\)|([A-E])[).:](?=\s))\s*(?![,;(]|\\TXT\{(?:and|or)\})(.*)|([A-E])")
 
 
 # ============================================================================ grammar
@@ -404,7 +405,7 @@ def _mul(a, b):
 def text_node(words: str):
     """Answer words, case- and punctuation-folded; 'no solution' is the empty set, 'all real
     numbers' the real line."""
-    letters = re.sub(r"[\s,;]+", " ", words).strip().split(" ")
+    letters = [x for x in re.sub(r"[\s,;()]+", " ", words).strip().split(" ") if x.lower() not in ("and", "or")]
     if len(letters) > 1 and all(len(x) == 1 and x.isalpha() for x in letters):
         return ("list", tuple(("sym", x.upper()) for x in letters))  # \text{A, C, E}: choices
     folded = " ".join(re.sub(r"[.,;:!?\"']", " ", words).lower().split())
@@ -477,8 +478,8 @@ def parse_answer(cleaned: str):
             cleaned = cleaned[1:-1].strip()
     choice = _CHOICE.fullmatch(cleaned)
     if choice:
-        letter = choice.group(1) or choice.group(3)
-        rest = choice.group(2)
+        letter = choice.group(1) or choice.group(2) or choice.group(4)
+        rest = choice.group(3)
         return ("choice", letter, parse_answer(rest) if rest else None)
     parser = _Parser(tokenize(cleaned))
     found = parser.items((), expand=True)

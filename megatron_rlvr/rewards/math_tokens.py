@@ -110,6 +110,14 @@ def _command(s: str, i: int, tokens: list) -> int:
         words = s[i + 1 : end].strip()
         tokens.append(("op", words.lower()) if words.lower() in ("or", "and") else ("text", words))
         i = end + 1
+    elif name == "numeral" and s.startswith("{", i):  # math_forms: \numeral{2A}{16}
+        end = matching_brace(s, i)
+        base_at = end + 1
+        base_end = matching_brace(s, base_at) if s.startswith("{", base_at) else -1
+        if base_end < 0:
+            raise AnswerError("parse_error")
+        tokens.append(("id", f"{s[i + 1 : end]}_{s[base_at + 1 : base_end]}"))
+        i = base_end + 1
     elif name in ("begin", "end"):
         end = matching_brace(s, i)
         env = s[i + 1 : end].strip().rstrip("*")
