@@ -15,7 +15,7 @@ import re
 from fractions import Fraction
 
 from megatron_rlvr.rewards.math_eval import rational, symbols
-from megatron_rlvr.rewards.math_parse import map_children
+from megatron_rlvr.rewards.math_parse import child_nodes, map_children
 
 UNIT_NAMES = ("hat{i}", "hat{j}", "hat{k}")
 _NUMERAL = re.compile(r"([0-9][0-9A-Z]*)_(\d+)")
@@ -32,9 +32,7 @@ def _units_only_as_factors(node) -> bool:
     """No unit vector under a power, a function or a denominator: the sum is linear in them."""
     if node[0] in ("pow", "fn") or node[0] == "div" and symbols(node[2]) & set(UNIT_NAMES):
         return not symbols(node) & set(UNIT_NAMES)
-    found = []
-    map_children(node, lambda child: found.append(_units_only_as_factors(child)) or child)
-    return all(found)
+    return all(_units_only_as_factors(child) for child in child_nodes(node))
 
 
 def unit_vector(node, length: int):
@@ -82,8 +80,8 @@ def choice_letters(node) -> frozenset | None:
     if node[0] == "choice" and node[2] is None:
         return frozenset(node[1])
     if node[0] in ("list", "set", "mul"):
-        parts = [choice_letters(item) for item in node[1]]
-        if parts and all(parts) and len(parts) > 1:
+        parts = [letters for letters in map(choice_letters, node[1]) if letters]
+        if len(parts) == len(node[1]) > 1:
             letters = frozenset().union(*parts)
             return letters if len(letters) == len(parts) else None
     return None

@@ -133,9 +133,10 @@ def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> li
     after = _MATH_CLOSERS.sub("", text[end : end + 20])
     if before.endswith(("(", "\\left(")) and after.startswith((")", "\\right)")):
         return ["(" + ", ".join(contents) + ")"]
-    labels = [_LABEL.search(text[max(0, at - 20) : at]) for at in starts]
-    if all(labels) and len({label.group(1) for label in labels}) == len(labels):
-        return [f"{label.group(1)} = {content}" for label, content in zip(labels, contents)]
+    found = [_LABEL.search(text[max(0, at - 20) : at]) for at in starts]
+    labels = [label.group(1) for label in found if label is not None]
+    if len(labels) == len(contents) and len(set(labels)) == len(labels):
+        return [f"{label} = {content}" for label, content in zip(labels, contents)]
     return contents
 
 
@@ -174,7 +175,8 @@ def _after_answer_is(tail: str) -> list[str]:
     commas join them ("$x=1$ and $x=5$"), else the first span, else the plain text."""
     tail = tail[: MAX_ANSWER_CHARS + 200].lstrip(" \t*:\n")
     tail = re.sub(r"^either\s+", "", tail, flags=re.IGNORECASE)
-    tail = tail[_FILLER.match(tail).end() :] if _FILLER.match(tail) else tail
+    filler = _FILLER.match(tail)
+    tail = tail[filler.end() :] if filler else tail
     spans = list(_MATH_SPAN.finditer(tail))
     masked = list(tail)
     for span in spans:
@@ -196,7 +198,8 @@ def _plain_units(answer: str) -> str:
     \\text{}, so that they are read as units and never as variables."""
     match = _NUMBER_AND_UNITS.fullmatch(answer)
     if match and all(w in _PLAIN_UNITS for w in re.findall(r"[a-zA-Z]+", match.group(2))):
-        return match.group(1) + " " + re.sub(r"[a-zA-Z]+", lambda w: r"\text{" + w.group(0) + "}", match.group(2))
+        units = re.sub(r"[a-zA-Z]+", lambda w: "\\text{" + w.group(0) + "}", match.group(2))
+        return f"{match.group(1)} {units}"
     return answer
 
 
