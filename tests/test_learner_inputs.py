@@ -14,12 +14,15 @@ def test_the_config_accepts_exactly_the_architectures_the_learner_builds():
     from megatron_rlvr.config import SUPPORTED_MODEL_TYPES
     from megatron_rlvr.learner.model import ARCHITECTURES
 
-    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHITECTURES)
+    from megatron_rlvr.families import ALIASES
+
+    assert set(SUPPORTED_MODEL_TYPES) == set(ARCHITECTURES) | set(ALIASES)
+    assert set(ALIASES.values()) <= set(ARCHITECTURES)
 
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(UnsupportedArchitecture, match=r"'llama' .* not supported \(supported: qwen3_moe\)"):
+    with pytest.raises(UnsupportedArchitecture, match=r"'llama' .* not supported \(supported: deepseek_v3, glm4_moe, kimi_k2, mixtral, qwen2_moe, qwen3_moe\)"):
         read_hf_config(tmp_path)
 
 

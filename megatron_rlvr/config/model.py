@@ -12,9 +12,10 @@ from pydantic import BaseModel, Field, model_validator
 from megatron_rlvr.config.base import ConfigError, PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
 
-# HF `model_type`s the learner's architecture registry can build. Kept here (not imported
-# from learner/) so that validating a config never imports Megatron.
-SUPPORTED_MODEL_TYPES = ("qwen3_moe",)
+# HF `model_type`s the learner can build: families.py's table (plain Python, so validating a
+# config never imports Megatron or torch)
+from megatron_rlvr.families import SUPPORTED_MODEL_TYPES  # noqa: F401
+from megatron_rlvr.families import EXPERT_COUNT_KEYS, family_name, num_experts, unsupported_message
 
 
 # ----------------------------------------------------------------------------- model
@@ -104,22 +105,17 @@ def model_dims(model: TinyModel | HFModel) -> ModelDims:
     except (OSError, json.JSONDecodeError) as err:
         raise ConfigError([f"model.path = {model.path!r}: cannot read config.json ({err})"]) from err
     model_type = hf.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
-            [
-                f"model.path = {model.path!r}: model_type {model_type!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-            ]
-        )
+    if family_name(model_type) is None:
+        raise ConfigError([f"model.path = {model.path!r}: " + unsupported_message(model_type, "config.json")])
     try:
-        if "num_experts" not in hf and "num_local_experts" not in hf:
-            raise KeyError("num_experts")
+        if num_experts(hf) is None:
+            raise KeyError(" or ".join(EXPERT_COUNT_KEYS))
         return ModelDims(
-            model_type=model_type,
+            model_type=family_name(model_type),
             num_layers=hf["num_hidden_layers"],
             num_attention_heads=hf["num_attention_heads"],
             num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
-            num_experts=hf.get("num_experts", hf.get("num_local_experts")),  # transformers 5 spells it so
+            num_experts=num_experts(hf),
             num_experts_per_tok=hf["num_experts_per_tok"],
         )
     except KeyError as err:

@@ -234,6 +234,12 @@ class TrainerConfig(Section):
         False, description="recompute each layer's activations in backward (saves memory)"
     )
     seed: int = Field(0, description="seed of Megatron's RNGs, the prompt order and the rollouts' sampling")
+    expert_bias_update_rate: float = Field(
+        0.0, ge=0.0, description="for routers with an expert score bias (DeepSeek-V3, Kimi-K2, GLM-4.5): "
+        "Megatron's per-step bias update from the load imbalance, outside the gradient. 0 (default): the "
+        "bias stays as the checkpoint has it, so the policy changes only through the loss and the "
+        "engines route as the learner does; pretraining's 1e-3 would drift the routing every step",
+    )
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
     resume: bool = Field(
         False, description="continue from output_dir's checkpoint (weights, optimizer, sampler and "

@@ -17,8 +17,9 @@ _WIDENING = {("bfloat16", "float32"), ("float16", "float32")}  # lossless casts 
 # Config fields that decide the tensors or the routing: two configs of one checkpoint must agree.
 MODEL_FIELDS = (
     "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size",
-    "tie_word_embeddings", "norm_topk_prob",
+    "head_dim", "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "vocab_size", "tie_word_embeddings", "norm_topk_prob", "n_group",
+    "topk_group", "first_k_dense_replace", "n_shared_experts", "kv_lora_rank", "q_lora_rank",
 )
 
 

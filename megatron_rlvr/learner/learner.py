@@ -49,6 +49,7 @@ class Learner:
             hf_config, device=cfg.parallel.device, dtype=dtype,
             routing_replay=routers_driven,
             recompute=cfg.trainer.recompute_activations,
+            expert_bias_update_rate=cfg.trainer.expert_bias_update_rate,
         )
         RouterReplay.clear_global_router_replay_instances()  # a process-global list: ours only
         modules = model_lib.build_model_chunks(self.bridge)

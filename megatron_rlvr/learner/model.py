@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -22,59 +21,38 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.families import (  # noqa: F401 (read_hf_config, UnsupportedArchitecture: re-exported)
+    FAMILIES,
+    UnsupportedArchitecture,
+    family_name,
+    family_of,
+    read_hf_config,
+)
 from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
-@dataclass(frozen=True)
-class Architecture:
-    """How to build one HF `model_type` in Megatron-Core."""
-
-    bridge_class: str  # "module:Class" of the mbridge bridge
-
-
-ARCHITECTURES: dict[str, Architecture] = {
-    "qwen3_moe": Architecture(bridge_class="mbridge.models.qwen3moe:Qwen3MoEBridge"),
-}
-
-
-class UnsupportedArchitecture(UserError, ValueError):
-    pass
-
-
-def read_hf_config(hf_dir: str | Path):
-    """The checkpoint's transformers config, refused with the supported list if unknown."""
-    from transformers import AutoConfig
-
-    model_type = json.loads((Path(hf_dir) / "config.json").read_text()).get("model_type")
-    if model_type not in ARCHITECTURES:
-        raise UnsupportedArchitecture(
-            f"model_type {model_type!r} in {hf_dir} is not supported "
-            f"(supported: {', '.join(sorted(ARCHITECTURES))})"
-        )
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    rope = getattr(hf_config, "rope_parameters", None) or {}
-    if getattr(hf_config, "rope_theta", None) is None and "rope_theta" in rope:
-        hf_config.rope_theta = rope["rope_theta"]  # mbridge still reads the old attribute
-    return hf_config
+# The family table lives in megatron_rlvr/families.py (no torch there: the config reads it).
+ARCHITECTURES = FAMILIES
 
 
 def _bridge_class(model_type: str):
     import importlib
 
-    module, name = ARCHITECTURES[model_type].bridge_class.split(":")
+    module, name = FAMILIES[family_name(model_type)].bridge_class.split(":")
     return getattr(importlib.import_module(module), name)
 
 
 def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: bool,
-                recompute: bool = False):
+                recompute: bool = False, expert_bias_update_rate: float = 0.0):
     """An mbridge bridge for the current Megatron parallel state, with the layer spec and
     fusions chosen for the device: transformer-engine spec on CUDA when TE imports, the local
-    spec (and no fused kernels) otherwise."""
+    spec (and no fused kernels) otherwise; the family's own settings over the bridge's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
     use_te = device == "cuda" and _have_transformer_engine()
     base: Any = _bridge_class(hf_config.model_type)  # a class chosen at run time
+    family = family_of(hf_config)
 
     class Bridge(base):
         def _build_config(self):
@@ -84,6 +62,11 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
             self.extra_args.setdefault("moe_router_pre_softmax",
                                        not getattr(self.hf_config, "norm_topk_prob", True))
             return super()._build_config()
+
+        def _build_base_config(self, text_config_key=None, **kwargs):
+            for key in family.drop_config_keys:
+                kwargs.pop(key, None)
+            return super()._build_base_config(text_config_key, **kwargs)
 
         def _get_transformer_layer_spec(self, vp_stage=None):
             self.has_vp_stage = True
@@ -99,7 +82,12 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
         attention_dropout=0.0,
         hidden_dropout=0.0,
         use_cpu_initialization=device == "cpu",
+        **family.settings(hf_config),
     )
+    if family.expert_bias:
+        # Megatron moves the expert score bias outside the gradient, by this rate times the
+        # load imbalance; RL keeps it frozen by default (trainer.expert_bias_update_rate)
+        overrides["moe_router_bias_update_rate"] = expert_bias_update_rate
     if recompute:
         overrides.update(recompute_granularity="full", recompute_method="uniform",
                          recompute_num_layers=1)

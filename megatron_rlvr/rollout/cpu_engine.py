@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from megatron_rlvr.families import Family, family_of, read_hf_config
 from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
 
 
@@ -53,22 +54,34 @@ class Sequence:
         return self.prompt_ids + self.output_ids
 
 
-def expert_weight_table(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """HF checkpoint name → tensor (or view) in the loaded model; fused expert tensors are
-    exposed one expert at a time (`…experts.E.gate_proj.weight` is a view into gate_up_proj)."""
+def expert_weight_table(model: torch.nn.Module, family: Family | None = None) -> dict[str, torch.Tensor]:
+    """HF checkpoint name → tensor (or view) in the loaded model, for every parameter and
+    persistent buffer (an expert score bias is one). Names are the checkpoint's, which is what
+    updates carry: the family's legacy module names (Mixtral's `block_sparse_moe`, `w1/w3/w2`),
+    and fused expert tensors exposed one expert at a time (`…experts.E.gate_proj.weight` is a
+    view into gate_up_proj)."""
+    family = family or family_of(model.config)
+    gate, up, down = family.expert_names
+
+    def checkpoint_name(name: str) -> str:
+        for runtime, stored in family.checkpoint_renames:
+            name = name.replace(runtime, stored)
+        return name
+
     table: dict[str, torch.Tensor] = {}
-    for name, param in model.named_parameters():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            prefix, half = name[: -len("gate_up_proj")], param.shape[1] // 2
-            for e in range(param.shape[0]):
-                table[f"{prefix}{e}.gate_proj.weight"] = param.data[e, :half]
-                table[f"{prefix}{e}.up_proj.weight"] = param.data[e, half:]
-        elif name.endswith("mlp.experts.down_proj"):
-            prefix = name[: -len("down_proj")]
-            for e in range(param.shape[0]):
-                table[f"{prefix}{e}.down_proj.weight"] = param.data[e]
+    for name, tensor in model.state_dict(keep_vars=True).items():
+        data = tensor.data
+        if name.endswith("experts.gate_up_proj"):
+            prefix, half = checkpoint_name(name[: -len("gate_up_proj")]), data.shape[1] // 2
+            for e in range(data.shape[0]):
+                table[f"{prefix}{e}.{gate}.weight"] = data[e, :half]
+                table[f"{prefix}{e}.{up}.weight"] = data[e, half:]
+        elif name.endswith("experts.down_proj"):
+            prefix = checkpoint_name(name[: -len("down_proj")])
+            for e in range(data.shape[0]):
+                table[f"{prefix}{e}.{down}.weight"] = data[e]
         else:
-            table[name] = param.data
+            table[checkpoint_name(name)] = data
     if getattr(model.config, "tie_word_embeddings", False):
         table.pop("lm_head.weight", None)
     return table
@@ -80,10 +93,13 @@ class CpuEngine:
         from transformers import AutoModelForCausalLM
 
         self.model_dir = model_dir
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
+        self.family = family_of(read_hf_config(model_dir))
+        # the checkpoint's own config (an alias such as kimi_k2 as its family's)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, config=read_hf_config(model_dir),
+                                                          dtype=getattr(torch, dtype))
         self.model.eval()
         self.config = self.model.config
-        self.weights = expert_weight_table(self.model)
+        self.weights = expert_weight_table(self.model, self.family)
         self.tokenizer = _maybe_tokenizer(model_dir)
         self.eos_ids = _eos_ids(self.model)
         self.max_batch = max_batch
@@ -102,11 +118,12 @@ class CpuEngine:
         self._thread.start()
 
     def _hook_routers(self) -> list[int]:
-        """Forward hooks on every MoE layer's router: HF routers return the expert ids they
-        chose (order included) as the last element of their output."""
+        """Forward hooks on every MoE layer's router (the family's `mlp.<router>`): HF routers
+        return the expert ids they chose (order included) as the last element of their output.
+        A MoE model in which no router is found is refused: it would capture nothing, silently."""
         moe_layers = []
         for index, layer in enumerate(self.model.model.layers):
-            gate = getattr(getattr(layer, "mlp", None), "gate", None)
+            gate = getattr(getattr(layer, "mlp", None), self.family.router, None)
             if gate is None or not hasattr(gate, "top_k"):
                 continue
             moe_layers.append(index)
@@ -115,6 +132,9 @@ class CpuEngine:
                 self._routing_step[index] = output[-1].detach()
 
             gate.register_forward_hook(keep)
+        if not moe_layers:
+            raise EngineError(f"no router `mlp.{self.family.router}` with top_k found in "
+                              f"{type(self.model).__name__}: routed experts could not be captured")
         return moe_layers
 
     # ------------------------------------------------------------------ requests
