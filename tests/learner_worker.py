@@ -20,6 +20,7 @@ from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rlvr.learner.learner import Learner
 from megatron_rlvr.learner.parallel import destroy_parallel, init_parallel
+from tiny_families import hf_forward_with_routing, hf_model
 
 BASE = ["trainer.micro_batch_size=2", "rollout.max_new_tokens=8", "algo.num_minibatches=2"]
 
@@ -36,9 +37,7 @@ def fixed_batch(vocab: int, batch_size: int = 16, length: int = 12) -> TrainBatc
 
 
 def hf_logprobs(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    model = hf_model(hf_dir)
     with torch.no_grad():
         logp = torch.log_softmax(model(ids).logits.float(), -1)
     return torch.nn.functional.pad(logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
@@ -127,15 +126,8 @@ class UsedRouting:
 
 
 def hf_routing(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    """HF transformers' own top-k routing [B, T, layers, k] for these tokens."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    with torch.no_grad():
-        logits = model(ids, output_router_logits=True).router_logits
-    k = model.config.num_experts_per_tok
-    per_layer = [lg.view(ids.shape[0], ids.shape[1], -1).topk(k, dim=-1).indices for lg in logits]
-    return torch.stack(per_layer, dim=2)
+    """HF transformers' own top-k routing [B, T, layers, k] for these tokens (dense layers 0)."""
+    return hf_forward_with_routing(hf_model(hf_dir), ids)[1]
 
 
 def with_engine_routing(batch: TrainBatch, routing: torch.Tensor, num_experts: int) -> TrainBatch:

@@ -98,12 +98,12 @@ def _to_cpu_device(value: Any) -> Any:
     return value
 
 
-_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to})
+_SPECIAL = frozenset({torch.Tensor.cuda, torch.Tensor.type, torch.Tensor.to, torch.device})
 
 
 class CudaToCpuMode(TorchFunctionMode):
-    """Redirects every CUDA placement (device="cuda"/index kwargs, .cuda(), .to("cuda")) to
-    the CPU, and makes `grad.type()` report the CUDA type that clip_grads.py asserts on.
+    """Redirects every CUDA placement (device="cuda"/index kwargs, .cuda(), .to("cuda"),
+    torch.device("cuda")) to the CPU, and makes `grad.type()` report the CUDA type that clip_grads.py asserts on.
     Patching the ~175 call sites one by one is impractical; this costs ~1 µs per op.
     Remove when Megatron-Core takes a device argument throughout."""
 
@@ -113,6 +113,8 @@ class CudaToCpuMode(TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.cuda:
             return args[0]
+        if func is torch.device:  # `with torch.device(torch.cuda.current_device()):` (YaRN rotary)
+            return torch.device(_to_cpu_device(args[0])) if args else func(**kwargs)
         if func is torch.Tensor.type and len(args) == 1 and not kwargs:
             name = func(*args)
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
@@ -231,6 +233,31 @@ def _patch_torch_norm() -> None:
     torch_norm.WrappedTorchNorm.__new__ = new
 
 
+# ---------------------------------------------------------------------------- 7. MLA, local spec
+def _patch_mla_local_attention() -> None:
+    """Multi-latent attention (DeepSeek-V3, Kimi-K2, Moonlight) builds its core attention with
+    separate key and value head sizes (k_channels = nope + rope dims, v_channels = v_head_dim);
+    the local DotProductAttention takes neither and sizes its output by kv_channels. Accept them
+    and size the output by the value heads; the math is already per-head-size agnostic (MLA
+    passes its own softmax scale). Without transformer-engine, the MLA module still sees
+    HAVE_TE true (megatron's TE extension imports against a stand-in) and calls isinstance with
+    a non-type TELinear: tell it there is no TE. Remove when the local DotProductAttention takes
+    k/v channels and the TE check looks at the real package."""
+    from megatron.core.transformer import multi_latent_attention
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    multi_latent_attention.HAVE_TE = False
+    original_init = DotProductAttention.__init__
+
+    def init(self, *args, k_channels=None, v_channels=None, **kwargs):
+        original_init(self, *args, **kwargs)
+        if v_channels is not None:
+            self.hidden_size_per_attention_head = v_channels
+            self.hidden_size_per_partition = self.num_attention_heads_per_partition * v_channels
+
+    DotProductAttention.__init__ = init
+
+
 # ---------------------------------------------------------------------------- 6. optimizer load
 def _patch_distributed_optimizer_load() -> None:
     """Without TE/apex the distributed optimizer falls back to torch Adam, whose state holds a
@@ -289,6 +316,7 @@ def apply() -> None:
     _patch_torch_norm()
     _patch_autograd_backward()
     _patch_distributed_optimizer_load()
+    _patch_mla_local_attention()
     mode = CudaToCpuMode()
     mode.__enter__()  # stays active for the life of the process, by design
     _state.update(applied=True, mode=mode)

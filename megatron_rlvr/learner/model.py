@@ -129,6 +129,8 @@ def build_model_chunks(bridge) -> list[torch.nn.Module]:
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_MLA_NORMS = ((".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight"),
+              (".self_attention.kv_layernorm.weight", ".self_attention.linear_kv_up_proj.layer_norm_weight"))
 
 
 def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
@@ -141,7 +143,12 @@ def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
     if match:
         layer = module.decoder.layers[int(match.group(1))]
         name = name.replace(match.group(0), f"decoder.layers.{layer.layer_number - 1}.", 1)
-    name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
+    if getattr(bridge.config, "multi_latent_attention", False):
+        # MLA on the local spec keeps its q/kv norms apart; TE fuses them into the up projections
+        for local, fused in _MLA_NORMS:
+            name = name.replace(local, fused)
+    else:
+        name = name.replace(".input_layernorm.weight", ".self_attention.linear_qkv.layer_norm_weight")
     num_local = bridge.config.num_moe_experts // mpu.get_expert_model_parallel_world_size()
     offset = mpu.get_expert_model_parallel_rank() * num_local
     match = _LOCAL_EXPERT.search(name)

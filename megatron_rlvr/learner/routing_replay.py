@@ -55,6 +55,22 @@ def replay_valid_mask(response_mask: torch.Tensor) -> torch.Tensor:
     return positions < last.unsqueeze(1)
 
 
+def natural_routing_map(router, hidden: torch.Tensor) -> torch.Tensor:
+    """The experts this router would choose for `hidden` on its own, [tokens, experts] bool, by
+    Megatron's own rule for the family: score function, pre-softmax, expert score bias and
+    group-limited top-k (DeepSeek-V3's n_group/topk_group) all count."""
+    from megatron.core.transformer.moe.moe_utils import topk_routing_with_score_function
+
+    config = router.config
+    logits = router.gating(hidden).view(-1, config.num_moe_experts)
+    _, routing_map = topk_routing_with_score_function(
+        logits, router.topk, use_pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
+        scaling_factor=config.moe_router_topk_scaling_factor, score_function=router.score_function,
+        expert_bias=getattr(router, "expert_bias", None), fused=False, router_replay=None)
+    return routing_map.bool()
+
+
 class RoutingReplay:
     """This rank's routers and their RouterReplay instances, driven per micro-batch."""
 
@@ -151,20 +167,12 @@ class RoutingReplay:
             if self._valid is None or (self.recompute and torch.is_grad_enabled()):
                 return
             with torch.no_grad():
-                scores = router.gating(args[0]).view(-1, router.config.num_moe_experts)
-                bias = getattr(router, "expert_bias", None)
-                if bias is not None:  # ranking then depends on the score function's values
-                    if router.config.moe_router_score_function == "sigmoid":
-                        scores = torch.sigmoid(scores.float())
-                    else:
-                        scores = torch.softmax(scores.float(), dim=-1)
-                    scores = scores + bias
-                natural = scores.topk(router.topk, dim=-1).indices.sort(dim=-1).values
-                target = router.router_replay.target_topk_idx.to(natural.device).long().sort(dim=-1).values
+                natural = natural_routing_map(router, args[0])
+                target = router.router_replay.target_topk_idx.to(natural.device).long()
                 valid = self._valid.to(natural.device)
-                used = output[1]  # the routing map [tokens, experts] the layer dispatched with
+                used = output[1].bool()  # the routing map [tokens, experts] the layer dispatched with
                 target_map = torch.zeros_like(used).scatter_(1, target, True)
-                self._agree[layer] += ((natural == target).all(dim=-1) & valid).sum().item()
+                self._agree[layer] += ((natural == target_map).all(dim=-1) & valid).sum().item()
                 self._used[layer] += ((used == target_map).all(dim=-1) & valid).sum().item()
                 self._count[layer] += self._valid.sum().item()
 
