@@ -11,3 +11,19 @@ def tiny_hf_dir(tmp_path_factory):
     from megatron_rlvr.tiny_model import build_tiny_hf_model
 
     return build_tiny_hf_model(TinyModel(), tmp_path_factory.mktemp("tiny-qwen3-moe"), VOCAB)
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """name → a tiny random HF checkpoint of that MoE family (tests/tiny_families.py), built
+    once per session when a test first asks."""
+    from tiny_families import build_family
+
+    built = {}
+
+    def get(name: str):
+        if name not in built:
+            built[name] = build_family(name, tmp_path_factory.mktemp(f"tiny-{name}"))
+        return built[name]
+
+    return get

@@ -90,3 +90,46 @@ def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_pat
     plain, bonus = entropies(0.0), entropies(1.0)
     assert plain[0] == pytest.approx(bonus[0])  # same start
     assert bonus[-1] > bonus[0] and bonus[-1] > plain[-1] + 1e-3, (plain, bonus)
+
+
+# ----------------------------------------------------------------------------- MoE families
+# Every family in world 1; DeepSeek-V3 (group-limited routing, score bias, MLA, YaRN) also in
+# the 2-process layouts by default, the others under `slow`.
+FAMILIES = ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "moonlight", "kimi_k2"]
+FAMILY_LAYOUTS = [pytest.param(f, layout, marks=() if f == "deepseek_v3" else pytest.mark.slow,
+                               id=f"{f}-{layout}")
+                  for f in ("deepseek_v3", "glm4_moe", "qwen2_moe", "mixtral") for layout in ("ep2", "tp2-sp")]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_hf_and_exports_bitwise_in_world1(family, family_dir, tmp_path):
+    r = run_ranks(1, ["parity", str(family_dir(family))], tmp_path)[0]
+    assert r["logprob_max_diff_vs_hf"] <= 1e-5, r["logprob_max_diff_vs_hf"]
+    assert r["exported_names_match"] and r["export_bitwise_equal"]  # expert score bias included
+    assert r["export_changed_after_training"]
+    assert not r["expert_bias_moved"]  # frozen by default (trainer.expert_bias_update_rate = 0)
+
+
+@pytest.mark.parametrize("family, layout", FAMILY_LAYOUTS)
+def test_family_two_process_layout_matches_hf(family, layout, family_dir, tmp_path):
+    for rank, r in enumerate(run_ranks(2, ["parity", str(family_dir(family)), *LAYOUTS[layout]], tmp_path)):
+        assert r["logprob_max_diff_vs_hf"] <= 1e-5, (rank, r["logprob_max_diff_vs_hf"])
+        assert r["exported_names_match"] and r["export_bitwise_equal"], rank
+
+
+def test_deepseek_mtp_layer_is_skipped_on_purpose_and_said_in_the_log(tmp_path):
+    from tiny_families import add_mtp_layer, build_family
+
+    hf_dir = build_family("deepseek_v3", tmp_path / "hf")
+    added = add_mtp_layer(hf_dir)
+    r = run_ranks(1, ["parity", str(hf_dir)], tmp_path)[0]
+    assert r["mtp_tensors_skipped"] == added
+    assert r["logprob_max_diff_vs_hf"] <= 1e-5 and r["exported_names_match"] and r["export_bitwise_equal"]
+    log = (tmp_path / "rank0.log").read_text()
+    assert f"skipping the checkpoint's {added} multi-token-prediction tensors (model.layers.3." in log
+
+
+def test_expert_bias_moves_only_when_asked(family_dir, tmp_path):
+    r = run_ranks(1, ["parity", str(family_dir("deepseek_v3")), "trainer.expert_bias_update_rate=0.01"],
+                  tmp_path)[0]
+    assert r["expert_bias_moved"]

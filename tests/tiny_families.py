@@ -120,3 +120,22 @@ def hf_forward_with_routing(model, ids: torch.Tensor):
     for index, ids_chosen in chosen.items():
         routing[:, :, index] = ids_chosen.view(*ids.shape, k)
     return out, routing
+
+
+def add_mtp_layer(model_dir: str | Path) -> int:
+    """Adds one multi-token-prediction layer to a DeepSeek-V3 checkpoint, stored as DeepSeek-V3
+    ships it (`model.layers.<num_hidden_layers>.*`: a decoder layer plus enorm, hnorm, eh_proj
+    and shared_head.norm). Returns how many tensors were added."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(model_dir) / "model.safetensors"
+    tensors = load_file(path)
+    layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    added = {mtp + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+    hidden = tensors["model.norm.weight"].shape[0]
+    added.update({mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
+                  mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+                  mtp + "shared_head.norm.weight": torch.ones(hidden)})
+    save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
+    return len(added)

@@ -76,9 +76,12 @@ def _compare_logits(workdir: Path, hf_dir: Path, tokens: list, dtype: str, *, st
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
+    from megatron_rlvr.families import read_hf_config
+
     hf_logging.disable_progress_bar()  # ours are per layer; its per-tensor bar adds nothing
-    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=getattr(torch, dtype),
-                                                       output_loading_info=True)
+    # the config as the learner reads it (kimi_k2 as deepseek_v3)
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, config=read_hf_config(hf_dir),
+                                                       dtype=getattr(torch, dtype), output_loading_info=True)
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if strict_keys and info.get(kind):
             raise ConvertError(f"transformers loads {hf_dir} with {kind.replace('_', ' ')}: "

@@ -12,6 +12,7 @@ the layout-aware load and export here, through one name adapter:
 from __future__ import annotations
 
 import json
+import logging
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -30,6 +31,8 @@ from megatron_rlvr.families import (  # noqa: F401 (read_hf_config, UnsupportedA
 )
 from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.parallel import device as rank_device
+
+log = logging.getLogger(__name__)
 
 
 # The family table lives in megatron_rlvr/families.py (no torch there: the config reads it).
@@ -217,6 +220,10 @@ def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -
     from megatron.core import parallel_state as mpu
 
     reader = HFReader(hf_dir)
+    skipped = mtp_tensor_names(reader.names(), bridge.hf_config)
+    if skipped:
+        log.info("skipping the checkpoint's %d multi-token-prediction tensors (%s…): the MTP layer "
+                 "is not built, RL trains the main model only", len(skipped), sorted(skipped)[0])
     tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
     for module in chunks:
         for local_name, param in _params(module):
@@ -239,6 +246,13 @@ def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -
                 )
             with torch.no_grad():
                 param.copy_(shard.to(param.dtype))
+
+
+def mtp_tensor_names(names: set[str], hf_config) -> set[str]:
+    """A checkpoint's multi-token-prediction tensors (DeepSeek-V3 ships one MTP layer, stored
+    as `model.layers.<num_hidden_layers>.*`)."""
+    prefix = f"model.layers.{hf_config.num_hidden_layers}."
+    return {name for name in names if name.startswith(prefix)}
 
 
 # ----------------------------------------------------------------------------- export
