@@ -293,3 +293,26 @@ def test_unsupported_architecture_and_occupied_output_are_one_line(sources, tmp_
         hf_to_mcore(sources["e4-top2-norm-untied"], llama)
     with pytest.raises(ConvertError, match="--ep = 3: must divide the model's 4 experts"):
         hf_to_mcore(sources["e4-top2-norm-untied"], tmp_path / "out", ep=3)
+
+
+# ----------------------------------------------------------------------------- MoE families
+CONVERT_FAMILIES = ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "moonlight", "kimi_k2"]
+
+
+# DeepSeek-V3, the kimi_k2 alias and Mixtral's legacy names by default; the rest under `slow`
+@pytest.mark.parametrize("family", [f if f in ("deepseek_v3", "kimi_k2", "mixtral") else
+                                    pytest.param(f, marks=pytest.mark.slow) for f in CONVERT_FAMILIES])
+def test_each_family_round_trips_bitwise_at_world1(family, family_dir, tmp_path):
+    src = family_dir(family)
+    _assert_round_trip(hf_to_mcore(src, tmp_path / "mcore"), src)  # every tensor and persistent buffer
+    _assert_round_trip(mcore_to_hf(tmp_path / "mcore", tmp_path / "hf"), src)
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == \
+        json.loads((src / "config.json").read_text())["model_type"]  # kimi_k2 stays kimi_k2
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", *(pytest.param(f, marks=pytest.mark.slow)
+                                                      for f in ("mixtral", "glm4_moe"))])
+def test_each_family_round_trips_bitwise_through_ep2(family, family_dir, tmp_path):
+    src = family_dir(family)
+    _assert_round_trip(hf_to_mcore(src, tmp_path / "mcore", ep=2), src)
+    _assert_round_trip(mcore_to_hf(tmp_path / "mcore", tmp_path / "hf"), src)

@@ -6,6 +6,7 @@ import threading
 import time
 
 import httpx
+import numpy as np
 import pytest
 import torch
 from engine_fixtures import hf_teacher_forced, start_engine
@@ -215,3 +216,35 @@ def test_async_client_speaks_the_api(engine):
         await client.close()
 
     asyncio.run(run())
+
+
+# ----------------------------------------------------------------------------- MoE families
+ENGINE_FAMILIES = ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "moonlight", "kimi_k2"]
+
+
+@pytest.mark.parametrize("family", ENGINE_FAMILIES)
+def test_routed_experts_equal_hf_routing_and_every_checkpoint_tensor_is_addressable(family, family_dir):
+    """Each family's router (softmax; sigmoid with score bias; group-limited) is captured as
+    HF routes, dense layers as zeros; the weight table holds every checkpoint tensor under its
+    checkpoint name (Mixtral's block_sparse_moe…w1, the expert score bias) as the model's own."""
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.rollout.cpu_engine import CpuEngine
+    from tiny_families import hf_forward_with_routing, hf_model
+
+    model_dir = family_dir(family)
+    engine = CpuEngine(str(model_dir))
+    try:
+        prompt = [5, 17, 3, 42, 8]
+        seq, = engine.submit(prompt, p.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), None)
+        seq = seq.future.result(timeout=120)
+    finally:
+        engine.stop()
+    fed = torch.tensor([prompt + seq.output_ids[:-1]])
+    _, routing = hf_forward_with_routing(hf_model(model_dir), fed)
+    ours = torch.tensor(np.stack(seq.routing)).long()
+    assert ours.shape == routing[0].shape
+    assert torch.equal(ours.sort(-1).values, routing[0].sort(-1).values)
+    checkpoint = load_file(str(model_dir / "model.safetensors"))
+    assert set(engine.weights) == set(checkpoint)
+    assert all(torch.equal(engine.weights[name], tensor) for name, tensor in checkpoint.items())

@@ -151,7 +151,7 @@ def test_r3_replays_each_family_routing_exactly(family, family_dir, tmp_path):
     assert r["metrics"]["routing_agreement_engine"] == 1.0
 
 
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+@pytest.mark.parametrize("family", ["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
 def test_r2_replays_each_family_routing_exactly(family, family_dir, tmp_path):
     r = _run(tmp_path, 1, "replay-r2", family_dir(family), "algo.routing_replay=r2")[0]
     assert r["checked"] > 0 and r["mismatched"] == 0
@@ -159,6 +159,7 @@ def test_r2_replays_each_family_routing_exactly(family, family_dir, tmp_path):
     assert r["router_weights_moved"]
 
 
+@pytest.mark.slow
 def test_r3_deepseek_under_ep2_replays_exactly(family_dir, tmp_path):
     for r in _run(tmp_path, 2, "replay-r3", family_dir("deepseek_v3"), "algo.routing_replay=r3", "parallel.ep=2"):
         assert r["checked"] > 0 and r["mismatched"] == 0

@@ -146,3 +146,28 @@ def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines,
     row = httpx.post(f"{engine.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
                      timeout=60)
     assert row.status_code == 200  # resumed, not left paused
+
+
+# DeepSeek-V3: the expert score bias and MLA tensors; Mixtral: block_sparse_moe…w1/w3/w2 names
+SYNC_FAMILIES = [pytest.param("deepseek_v3", "world1", id="deepseek_v3-world1"),
+                 pytest.param("mixtral", "world1", id="mixtral-world1"),
+                 pytest.param("deepseek_v3", "ep2", id="deepseek_v3-ep2", marks=pytest.mark.slow),
+                 pytest.param("glm4_moe", "world1", id="glm4_moe-world1", marks=pytest.mark.slow)]
+
+
+@pytest.mark.parametrize("family, layout", SYNC_FAMILIES)
+def test_a_sync_puts_every_learner_tensor_of_each_family_into_the_engine(family, layout, family_dir, tmp_path):
+    from safetensors import safe_open
+
+    model_dir = family_dir(family)
+    engine = start_engine(model_dir, tmp_path / "engine")
+    try:
+        world, overrides = LAYOUTS[layout]
+        source = run_ranks(world, ["sync", str(model_dir), "weight_sync.bucket_mb=0.05", *overrides], tmp_path,
+                           env={"ENGINE_URLS": engine.url})[0]
+    finally:
+        engine.stop()
+    with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
+        assert source["checked"] == len(list(f.keys()))  # every exported tensor, bias included
+    assert source["mismatched"] == []
+    assert source["metrics"]["weight_sync/parity_max_gap"] <= 1e-5
