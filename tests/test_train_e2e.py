@@ -195,3 +195,21 @@ def test_a_run_whose_data_has_nothing_to_teach_ends_after_its_generation_bound(t
     assert "no useful group among 10 generated (buffer.max_generated_groups_per_step = 10)" in last[0]
     assert "of 6 prompts, 0 were always solved and 6 never solved" in last[0]
     assert "no step had finished: nothing to save" in last[0]
+
+
+def test_ten_r3_steps_on_a_deepseek_v3_checkpoint(tmp_path):
+    """A DeepSeek-V3-shaped HF checkpoint (group-limited sigmoid routing with a score bias, MLA,
+    YaRN, a dense first layer) as `model: {type: hf, path: ...}`: R3 replays the CPU engine's
+    routing, every sync lands bitwise (parity ≤ 1e-5), the routing used is the engine's."""
+    from megatron_rlvr.data import build_arithmetic_tokenizer
+    from tiny_families import build_family
+
+    hf_dir = build_family("deepseek_v3", tmp_path / "hf")
+    build_arithmetic_tokenizer(hf_dir)
+    metrics, _ = train(tmp_path / "run", "model={type: hf, path: %s}" % hf_dir, "trainer.steps=10",
+                       "trainer.save_interval=0", "launch.mode=local", "algo.routing_replay=r3")
+    assert [m["step"] for m in metrics] == list(range(1, 11))
+    for m in metrics:
+        assert m["weight_sync/parity_max_gap"] <= 1e-5 and m["train/grad_norm"] > 0
+        assert m["train/routing_agreement_engine_used"] == 1.0
+    assert metrics[0]["train/routing_agreement_engine"] == 1.0  # same weights: Megatron routes as HF
