@@ -9,9 +9,10 @@ Transformers is imported only inside `read_hf_config`.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from megatron_rlvr.errors import UserError
 
@@ -126,8 +127,10 @@ class UnsupportedArchitecture(UserError, ValueError):
     pass
 
 
-def family_name(model_type: str | None) -> str | None:
+def family_name(model_type: Any) -> str | None:
     """The family a config.json `model_type` belongs to; None when unsupported."""
+    if not isinstance(model_type, str):
+        return None
     model_type = ALIASES.get(model_type, model_type)
     return model_type if model_type in FAMILIES else None
 
@@ -169,4 +172,7 @@ def read_hf_config(hf_dir: str | Path):
 
 
 def family_of(hf_config) -> Family:
-    return FAMILIES[family_name(hf_config.model_type)]
+    name = family_name(hf_config.model_type)
+    if name is None:
+        raise UnsupportedArchitecture(unsupported_message(hf_config.model_type, "the model's config"))
+    return FAMILIES[name]

@@ -14,6 +14,7 @@ import os
 import sys
 
 import torch
+from tiny_families import hf_forward_with_routing, hf_model
 
 from megatron_rlvr.config import load_config
 from megatron_rlvr.learner.batch import TrainBatch
@@ -21,7 +22,6 @@ from megatron_rlvr.learner.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rlvr.learner.learner import Learner
 from megatron_rlvr.learner.model import mtp_tensor_names
 from megatron_rlvr.learner.parallel import destroy_parallel, init_parallel
-from tiny_families import hf_forward_with_routing, hf_model
 
 BASE = ["trainer.micro_batch_size=2", "rollout.max_new_tokens=8", "algo.num_minibatches=2"]
 

@@ -228,9 +228,9 @@ def test_routed_experts_equal_hf_routing_and_every_checkpoint_tensor_is_addressa
     HF routes, dense layers as zeros; the weight table holds every checkpoint tensor under its
     checkpoint name (Mixtral's block_sparse_moe…w1, the expert score bias) as the model's own."""
     from safetensors.torch import load_file
+    from tiny_families import hf_forward_with_routing, hf_model
 
     from megatron_rlvr.rollout.cpu_engine import CpuEngine
-    from tiny_families import hf_forward_with_routing, hf_model
 
     model_dir = family_dir(family)
     engine = CpuEngine(str(model_dir))

@@ -12,9 +12,8 @@ from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
 
 def test_the_config_accepts_exactly_the_architectures_the_learner_builds():
     from megatron_rlvr.config import SUPPORTED_MODEL_TYPES
-    from megatron_rlvr.learner.model import ARCHITECTURES
-
     from megatron_rlvr.families import ALIASES
+    from megatron_rlvr.learner.model import ARCHITECTURES
 
     assert set(SUPPORTED_MODEL_TYPES) == set(ARCHITECTURES) | set(ALIASES)
     assert set(ALIASES.values()) <= set(ARCHITECTURES)

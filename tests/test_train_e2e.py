@@ -201,12 +201,13 @@ def test_ten_r3_steps_on_a_deepseek_v3_checkpoint(tmp_path):
     """A DeepSeek-V3-shaped HF checkpoint (group-limited sigmoid routing with a score bias, MLA,
     YaRN, a dense first layer) as `model: {type: hf, path: ...}`: R3 replays the CPU engine's
     routing, every sync lands bitwise (parity ≤ 1e-5), the routing used is the engine's."""
-    from megatron_rlvr.data import build_arithmetic_tokenizer
     from tiny_families import build_family
+
+    from megatron_rlvr.data import build_arithmetic_tokenizer
 
     hf_dir = build_family("deepseek_v3", tmp_path / "hf")
     build_arithmetic_tokenizer(hf_dir)
-    metrics, _ = train(tmp_path / "run", "model={type: hf, path: %s}" % hf_dir, "trainer.steps=10",
+    metrics, _ = train(tmp_path / "run", f"model={{type: hf, path: {hf_dir}}}", "trainer.steps=10",
                        "trainer.save_interval=0", "launch.mode=local", "algo.routing_replay=r3")
     assert [m["step"] for m in metrics] == list(range(1, 11))
     for m in metrics:

@@ -14,8 +14,13 @@ from megatron_rlvr.config.base import raise_problems as _raise
 
 # HF `model_type`s the learner can build: families.py's table (plain Python, so validating a
 # config never imports Megatron or torch)
-from megatron_rlvr.families import SUPPORTED_MODEL_TYPES  # noqa: F401
-from megatron_rlvr.families import EXPERT_COUNT_KEYS, family_name, num_experts, unsupported_message
+from megatron_rlvr.families import (
+    EXPERT_COUNT_KEYS,
+    SUPPORTED_MODEL_TYPES,  # noqa: F401
+    family_name,
+    num_experts,
+    unsupported_message,
+)
 
 
 # ----------------------------------------------------------------------------- model

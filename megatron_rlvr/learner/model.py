@@ -28,6 +28,7 @@ from megatron_rlvr.families import (  # noqa: F401 (read_hf_config, UnsupportedA
     family_name,
     family_of,
     read_hf_config,
+    unsupported_message,
 )
 from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.parallel import device as rank_device
@@ -42,7 +43,10 @@ ARCHITECTURES = FAMILIES
 def _bridge_class(model_type: str):
     import importlib
 
-    module, name = FAMILIES[family_name(model_type)].bridge_class.split(":")
+    name = family_name(model_type)
+    if name is None:
+        raise UnsupportedArchitecture(unsupported_message(model_type, "the model's config"))
+    module, name = FAMILIES[name].bridge_class.split(":")
     return getattr(importlib.import_module(module), name)
 
 
