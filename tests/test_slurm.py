@@ -86,6 +86,8 @@ def test_cpu_runs_need_no_gpus():
                     "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs"]),
     (QWEN3_235B, 16, ["learner  tp 4 · pp 2 · dp 8 (ep 32, etp 1) on cuda = 64 GPUs",
                       "rollout  8 SGLang engines × engine.tp 8 = 64 GPUs"]),
+    (REPO / "configs" / "mixtral-8x7b-grpo-r3.yaml", 4, ["learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs",
+                                              "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs"]),
 ])
 def test_recipe_dry_run_renders_a_valid_script(config, nodes, expected, tmp_path):
     out = _submit(config, "--nodes", nodes, "--gpus-per-node", 8, "--partition", "gpu",
