@@ -226,3 +226,11 @@ def test_a_used_output_folder_is_refused_before_sbatch_and_a_job_resumes(tmp_pat
     assert "holds a run (metrics up to step 2)" in out.stderr and "trainer.resume=true" in out.stderr
     script = _submit(TINY, "--nodes", 1, "--gpus-per-node", 0, "--dry-run").stdout
     assert 'train "${TRAIN[@]}" trainer.resume=true' in script  # a requeued job continues its run
+
+
+@pytest.mark.parametrize("hf_config", sorted(p.name for p in (REPO / "configs" / "hf-configs").iterdir() if p.is_dir()))
+def test_every_shipped_hf_config_gets_a_layout_from_the_qwen3_30b_recipe(hf_config):
+    """Each family's published config.json (configs/hf-configs/) is read as the run reads it
+    (expert count under its own key), and the 4-node recipe's layout holds it."""
+    cfg = load_config(QWEN3_30B, [f"model.path={REPO / 'configs' / 'hf-configs' / hf_config}"])
+    assert "learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs" in slurm.plan(cfg, 4, 8).lines()
