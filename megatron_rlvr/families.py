@@ -40,8 +40,6 @@ class Family:
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # the router carries an expert score bias (persistent, not a gradient parameter)
     expert_bias: bool = False
-    # what was checked for this family (README and docs read it)
-    checked: str = ""
 
 
 def _head_dim(hf) -> None:
