@@ -2,6 +2,7 @@
 shipped recipes through --dry-run, one-line refusals before sbatch, and submission through
 stand-in sbatch/scontrol commands. The real Slurm tier is tests/test_slurm_cluster.py."""
 
+import json
 import os
 import stat
 import subprocess
@@ -10,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.config import load_config
+from megatron_rlvr.config import ConfigError, load_config
 from megatron_rlvr.launch import slurm
 
 REPO = Path(__file__).resolve().parents[1]
@@ -232,5 +233,13 @@ def test_a_used_output_folder_is_refused_before_sbatch_and_a_job_resumes(tmp_pat
 def test_every_shipped_hf_config_gets_a_layout_from_the_qwen3_30b_recipe(hf_config):
     """Each family's published config.json (configs/hf-configs/) is read as the run reads it
     (expert count under its own key), and the 4-node recipe's layout holds it."""
-    cfg = load_config(QWEN3_30B, [f"model.path={REPO / 'configs' / 'hf-configs' / hf_config}"])
+    path = REPO / "configs" / "hf-configs" / hf_config
+    if json.loads((path / "config.json").read_text())["num_hidden_layers"] % 2:
+        # DeepSeek-V3's 61 layers: two pipeline stages are refused in one line; one stage lays out
+        with pytest.raises(ConfigError, match=r"parallel.pp = 2: must divide the 61 layers"):
+            load_config(QWEN3_30B, [f"model.path={path}"])
+        cfg = load_config(QWEN3_30B, [f"model.path={path}", "parallel.pp=1", "parallel.dp=8"])
+        assert "learner  tp 2 · pp 1 · dp 8 (ep 8, etp 1) on cuda = 16 GPUs" in slurm.plan(cfg, 4, 8).lines()
+        return
+    cfg = load_config(QWEN3_30B, [f"model.path={path}"])
     assert "learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs" in slurm.plan(cfg, 4, 8).lines()
