@@ -32,6 +32,7 @@ from megatron_rlvr.families import (  # noqa: F401 (read_hf_config, UnsupportedA
 )
 from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.parallel import device as rank_device
+from megatron_rlvr.quantized import Dequantizer
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +192,8 @@ class CheckpointMismatch(UserError, ValueError):
 
 
 class HFReader:
-    """Lazy tensor access across the checkpoint's safetensors files."""
+    """Lazy tensor access across the checkpoint's safetensors files; quantised checkpoints
+    (FP8 block scales, MXFP4) read as the plain tensors they stand for (quantized.py)."""
 
     def __init__(self, hf_dir: str | Path):
         from safetensors import safe_open
@@ -208,13 +210,17 @@ class HFReader:
                     files.update({name: path for name in handle.keys()})
         self.files = files
         self._open = {path: safe_open(path, "pt") for path in set(files.values())}
+        self._tensors = Dequantizer(hf_dir, set(files), self._raw)
 
     def names(self) -> set[str]:
-        return set(self.files)
+        return set(self._tensors.names)
 
     def get(self, name: str) -> torch.Tensor:
-        if name not in self.files:
+        if name not in self._tensors.names:
             raise CheckpointMismatch(f"tensor {name!r} is missing from the checkpoint")
+        return self._tensors.get(name)
+
+    def _raw(self, name: str) -> torch.Tensor:
         return self._open[self.files[name]].get_tensor(name)
 
 
