@@ -40,6 +40,9 @@ class Family:
     checkpoint_renames: tuple[tuple[str, str], ...] = ()
     # the router carries an expert score bias (persistent, not a gradient parameter)
     expert_bias: bool = False
+    # the checkpoint stores each layer's experts fused, as transformers holds them
+    # (`experts.gate_up_proj` [E, ...]): names are the runtime ones, no per-expert views
+    fused_experts: bool = False
 
 
 def _head_dim(hf) -> None:
@@ -112,6 +115,11 @@ FAMILIES: dict[str, Family] = {
         settings=_deepseek_v3_settings,
         drop_config_keys=("max_position_embeddings",),  # the MLA config no longer takes it
         expert_bias=True,
+    ),
+    "gpt_oss": Family(
+        bridge_class="megatron_rlvr.learner.gpt_oss:GptOssBridge",  # mbridge has none
+        router="router",
+        fused_experts=True,
     ),
 }
 

@@ -291,6 +291,26 @@ def _patch_distributed_optimizer_load() -> None:
     DistributedOptimizer._set_main_param_and_optimizer_states = set_states
 
 
+# ---------------------------------------------------------------------------- 7. expert bias
+def _patch_expert_bias_add() -> None:
+    """Experts with biases (gpt-oss) on the local spec: MLP.forward adds the fc2 bias, times
+    the routing prob, with `output +=` onto linear_fc2's output. Without expert or tensor
+    parallelism that output is the TP all-reduce Function's input returned as is, a view
+    autograd forbids modifying in place, so the backward fails. Hand MLP a copy there. Remove
+    when Megatron-Core adds the expert bias out of place (0.16.1 does not)."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+
+    original_forward = RowParallelLinear.forward
+
+    def forward(self, input_):
+        output, bias = original_forward(self, input_)
+        if self.is_expert and bias is not None and not self.explicit_expert_comm and torch.is_grad_enabled():
+            output = output.clone()
+        return output, bias
+
+    RowParallelLinear.forward = forward
+
+
 # ---------------------------------------------------------------------------- entry point
 def check_version() -> None:
     import megatron.core
@@ -317,6 +337,7 @@ def apply() -> None:
     _patch_autograd_backward()
     _patch_distributed_optimizer_load()
     _patch_mla_local_attention()
+    _patch_expert_bias_add()
     mode = CudaToCpuMode()
     mode.__enter__()  # stays active for the life of the process, by design
     _state.update(applied=True, mode=mode)

@@ -135,8 +135,9 @@ def build_model_chunks(bridge) -> list[torch.nn.Module]:
 
 # ----------------------------------------------------------------------------- names
 _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
-_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
-_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.weight(\d+)$")
+_LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
+_TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
+_EXPERT_ID = re.compile(r"^(.*(?:weight|bias))(\d+)$")
 _MLA_NORMS = ((".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight"),
               (".self_attention.kv_layernorm.weight", ".self_attention.linear_kv_up_proj.layer_norm_weight"))
 
@@ -162,12 +163,12 @@ def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
     match = _LOCAL_EXPERT.search(name)
     if match:
         name = name.replace(match.group(0),
-                            f"mlp.experts.{match.group(2)}.weight{offset + int(match.group(1))}")
+                            f"mlp.experts.{match.group(2)}.{match.group(3)}{offset + int(match.group(1))}")
     match = _TE_EXPERT.search(name)
     if match and ".local_experts." not in local_name and mpu.get_expert_model_parallel_world_size() > 1:
         # TE grouped-gemm names carry the local expert index in the suffix
         name = name.replace(match.group(0),
-                            f"mlp.experts.{match.group(1)}.weight{offset + int(match.group(2))}")
+                            f"mlp.experts.{match.group(1)}.{match.group(2)}{offset + int(match.group(3))}")
     return name
 
 
@@ -211,6 +212,7 @@ class HFReader:
         self.files = files
         self._open = {path: safe_open(path, "pt") for path in set(files.values())}
         self._tensors = Dequantizer(hf_dir, set(files), self._raw)
+        self._recent: dict[str, torch.Tensor] = {}  # the last few tensors read, oldest first
 
     def names(self) -> set[str]:
         return set(self._tensors.names)
@@ -218,7 +220,11 @@ class HFReader:
     def get(self, name: str) -> torch.Tensor:
         if name not in self._tensors.names:
             raise CheckpointMismatch(f"tensor {name!r} is missing from the checkpoint")
-        return self._tensors.get(name)
+        if name not in self._recent:  # fused expert tensors are asked for once per expert
+            self._recent[name] = self._tensors.get(name)
+            if len(self._recent) > 4:
+                self._recent.pop(next(iter(self._recent)))
+        return self._recent[name]
 
     def _raw(self, name: str) -> torch.Tensor:
         return self._open[self.files[name]].get_tensor(name)
@@ -313,11 +319,11 @@ def _gather_to_hf(name: str, tensor: torch.Tensor, bridge) -> Iterator[tuple[str
     if _is_expert(name):
         ep = mpu.get_expert_model_parallel_world_size()
         per_rank = _all_gather(tensor, mpu.get_expert_model_parallel_group()) if ep > 1 else [tensor]
-        prefix, local_id = name.rsplit("weight", 1)
+        prefix, local_id = _EXPERT_ID.match(name).groups()
         num_local = bridge.config.num_moe_experts // ep
         local_id = int(local_id) - mpu.get_expert_model_parallel_rank() * num_local
         for ep_rank, part in enumerate(per_rank):
-            expert_name = f"{prefix}weight{ep_rank * num_local + local_id}"
+            expert_name = f"{prefix}{ep_rank * num_local + local_id}"
             if mpu.get_expert_tensor_parallel_world_size() > 1:
                 shards = _all_gather(part, mpu.get_expert_tensor_parallel_group())
                 part = _merge(bridge, expert_name, shards, tensor)

@@ -59,7 +59,7 @@ def expert_weight_table(model: torch.nn.Module, family: Family | None = None) ->
     persistent buffer (an expert score bias is one). Names are the checkpoint's, which is what
     updates carry: the family's legacy module names (Mixtral's `block_sparse_moe`, `w1/w3/w2`),
     and fused expert tensors exposed one expert at a time (`…experts.E.gate_proj.weight` is a
-    view into gate_up_proj)."""
+    view into gate_up_proj) unless the checkpoint stores them fused too (gpt-oss)."""
     family = family or family_of(model.config)
     gate, up, down = family.expert_names
 
@@ -71,7 +71,9 @@ def expert_weight_table(model: torch.nn.Module, family: Family | None = None) ->
     table: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
         data = tensor.data
-        if name.endswith("experts.gate_up_proj"):
+        if family.fused_experts:
+            table[name] = data
+        elif name.endswith("experts.gate_up_proj"):
             prefix, half = checkpoint_name(name[: -len("gate_up_proj")]), data.shape[1] // 2
             for e in range(data.shape[0]):
                 table[f"{prefix}{e}.{gate}.weight"] = data[e, :half]
