@@ -27,3 +27,36 @@ def family_dir(tmp_path_factory):
         return built[name]
 
     return get
+
+
+def build_tiny_gpt_oss(out_dir, *, rope: str = "yarn", seed: int = 0):
+    """A random tiny gpt-oss (2 layers: sliding window 4, then full attention; 4 experts,
+    top-2) saved as an HF checkpoint. Every weight is drawn afresh, biases and attention sinks
+    included (transformers initialises some to zero), so each takes part; YaRN as gpt-oss
+    ships it (factor, beta, truncate false) at a small original context."""
+    import torch
+    from transformers import GptOssConfig, GptOssForCausalLM
+
+    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0} if rope == "default" else {
+        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+        "truncate": False, "original_max_position_embeddings": 64}
+    config = GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
+        max_position_embeddings=512, rope_parameters=rope_parameters, tie_word_embeddings=False,
+        router_aux_loss_coef=0.0)
+    torch.manual_seed(seed)
+    model = GptOssForCausalLM(config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.normal_(1.0, 0.1)
+            else:
+                param.normal_(0.0, 0.3 if "sinks" in name else 0.1)
+    model.save_pretrained(out_dir)
+    return out_dir
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt_oss_dir(tmp_path_factory):
+    return build_tiny_gpt_oss(tmp_path_factory.mktemp("tiny-gpt-oss"))

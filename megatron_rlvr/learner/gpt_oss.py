@@ -131,14 +131,22 @@ class GptOssBridge(LLMBridge):
         return args
 
     def _model_provider(self, post_model_creation_callbacks):
-        def mark_sinks_sharded(model, **_):
-            # the sinks are split over TP by head (the checkpoint shards them so) but Megatron
-            # does not mark them: marked, exports gather them and the grad norm counts each shard
+        def mark_parallelism(model, **_):
             for name, param in model.named_parameters():
                 if name.endswith("core_attention.softmax_offset"):
+                    # split over TP by head (the checkpoint shards them so) but not marked:
+                    # marked, exports gather them and the grad norm counts each shard
+                    param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
+                elif ".mlp.experts." in name and name.endswith("linear_fc2.bias"):
+                    # Megatron marks an expert's fc2 bias sequence-parallel like a dense
+                    # layer's, so finalize_model_grads sums it over TP: with TP 2 and EP 2 that
+                    # adds another rank's expert's gradient. An expert sees whole tokens. And
+                    # the grad norm skips it on TP ranks > 0 as a TP duplicate, which an
+                    # expert's own bias is not (its fc1 bias and weights are marked so).
+                    param.sequence_parallel = False
                     param.tensor_model_parallel, param.partition_dim, param.partition_stride = True, 0, 1
 
-        return super()._model_provider([*post_model_creation_callbacks, mark_sinks_sharded])
+        return super()._model_provider([*post_model_creation_callbacks, mark_parallelism])
 
     # ------------------------------------------------------------------ names and formats
     def _weight_name_mapping_mlp(self, name: str) -> list[str]:
