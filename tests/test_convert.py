@@ -14,6 +14,7 @@ import distributed
 import pytest
 import torch
 
+from conftest import build_tiny_gpt_oss
 from megatron_rlvr.config import TinyModel
 from megatron_rlvr.convert.checks import ConvertError
 from megatron_rlvr.convert.commands import describe, hf_to_mcore, mcore_to_hf
@@ -40,6 +41,7 @@ def sources(tmp_path_factory) -> dict[str, Path]:
     for name, spec in SHAPES.items():
         dirs[name] = build_tiny_hf_model(spec, tmp_path_factory.mktemp(name), VOCAB)
     build_arithmetic_tokenizer(dirs["e4-top2-norm-untied"])  # tokenizer files must travel along
+    dirs["gpt-oss"] = build_tiny_gpt_oss(tmp_path_factory.mktemp("gpt-oss"))  # fused, interleaved experts
     return dirs
 
 
@@ -72,7 +74,7 @@ def _safetensors_names(model_dir: Path) -> set[str]:
     return names
 
 
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", [*SHAPES, "gpt-oss"])
 def test_round_trip_at_world1_is_bitwise_and_matches_hf_logits(shape, sources, world1, tmp_path):
     ckpt, to_mcore = world1(shape)
     _assert_round_trip(to_mcore, sources[shape])
