@@ -248,3 +248,28 @@ def test_routed_experts_equal_hf_routing_and_every_checkpoint_tensor_is_addressa
     checkpoint = load_file(str(model_dir / "model.safetensors"))
     assert set(engine.weights) == set(checkpoint)
     assert all(torch.equal(engine.weights[name], tensor) for name, tensor in checkpoint.items())
+
+
+def test_gpt_oss_routed_experts_come_from_its_router_and_match_hf(tiny_gpt_oss_dir, tmp_path):
+    """gpt-oss routes in `mlp.router` (not `mlp.gate`): the engine captures it, with HF's
+    logprobs, and its weight table holds the fused expert tensors under their own names."""
+    import numpy as np
+
+    from megatron_rlvr.rollout.routed_experts import decode_routed_experts
+
+    proc = start_engine(tiny_gpt_oss_dir, tmp_path)
+    try:
+        prompt = [5, 17, 3, 44, 9, 21, 60]  # longer than the sliding window (4)
+        row = post(proc, "/generate", {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
+                                       "sampling_params": {"max_new_tokens": 6, "temperature": 0.7}}).json()
+        meta = row["meta_info"]
+        want_logp, want_routing = hf_teacher_forced(tiny_gpt_oss_dir, prompt, row["output_ids"], 0.7)
+        got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+        assert (got - want_logp).abs().max() <= 1e-5
+        routing = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4,
+                                        sample=meta["id"])
+        assert np.array_equal(routing, want_routing.numpy())
+        fused = post(proc, "/get_weights_by_name", {"name": "model.layers.1.mlp.experts.gate_up_proj"}).json()
+        assert torch.tensor(fused).shape == (4, 64, 64)
+    finally:
+        proc.stop()

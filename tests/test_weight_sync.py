@@ -170,4 +170,16 @@ def test_a_sync_puts_every_learner_tensor_of_each_family_into_the_engine(family,
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
         assert source["checked"] == len(list(f.keys()))  # every exported tensor, bias included
     assert source["mismatched"] == []
+
+
+def test_a_gpt_oss_sync_puts_every_learner_tensor_into_the_engine(tiny_gpt_oss_dir, tmp_path):
+    """Fused expert tensors, biases and attention sinks: every exported tensor lands in the
+    engine bitwise, after a train step (world 1, several small buckets)."""
+    engine = start_engine(tiny_gpt_oss_dir, tmp_path)
+    try:
+        source = run_ranks(1, ["sync", str(tiny_gpt_oss_dir), "weight_sync.bucket_mb=0.05"], tmp_path,
+                           env={"ENGINE_URLS": engine.url})[0]
+    finally:
+        engine.stop()
+    assert source["checked"] == 37 and source["mismatched"] == []
     assert source["metrics"]["weight_sync/parity_max_gap"] <= 1e-5
