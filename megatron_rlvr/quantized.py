@@ -19,8 +19,8 @@ refused in one line.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -86,8 +86,9 @@ class Dequantizer:
     def __init__(self, hf_dir: str | Path, raw_names: set[str], raw_get: Callable[[str], torch.Tensor]):
         self.quant = quantization_config(hf_dir)
         self._get = raw_get
-        method = self.quant and self.quant["quant_method"]
-        self.block = tuple(self.quant.get("weight_block_size") or (128, 128)) if method == "fp8" else None
+        method = self.quant["quant_method"] if self.quant else None
+        block = (self.quant or {}).get("weight_block_size") or (128, 128)
+        self.block: tuple[int, int] = (int(block[0]), int(block[1]))
         if method == "mxfp4":
             packed = {n[: -len(_BLOCKS)] for n in raw_names if n.endswith(_BLOCKS)}
             hidden = {n + s for n in packed for s in (_BLOCKS, _SCALES)}
@@ -100,7 +101,7 @@ class Dequantizer:
             self.names = set(raw_names)
 
     def get(self, name: str) -> torch.Tensor:
-        method = self.quant and self.quant["quant_method"]
+        method = self.quant["quant_method"] if self.quant else None
         if method == "mxfp4" and name in self._packed:
             return dequantize_mxfp4(self._get(name + _BLOCKS), self._get(name + _SCALES))
         tensor = self._get(name)

@@ -113,7 +113,7 @@ def test_hf_model_path_errors(tmp_path):
     base = [f"model={{type: hf, path: {tmp_path}}}"]
     assert "no config.json" in _problems(base)[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert ("model_type 'llama' in config.json is not supported (supported: deepseek_v3, glm4_moe, kimi_k2, "
+    assert ("model_type 'llama' in config.json is not supported (supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, "
             "mixtral, qwen2_moe, qwen3_moe)") in _problems(base)[0]
     (tmp_path / "config.json").write_text(json.dumps(
         {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_attention_heads": 8,

@@ -13,8 +13,8 @@ from pathlib import Path
 import distributed
 import pytest
 import torch
-
 from conftest import build_tiny_gpt_oss
+
 from megatron_rlvr.config import TinyModel
 from megatron_rlvr.convert.checks import ConvertError
 from megatron_rlvr.convert.commands import describe, hf_to_mcore, mcore_to_hf
@@ -290,7 +290,7 @@ def test_unsupported_architecture_and_occupied_output_are_one_line(sources, tmp_
     llama = _edited_copy(sources["e4-top2-norm-untied"], tmp_path / "llama", model_type="llama")
     out = _cli("hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "out"))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "model_type 'llama'" in out.stderr and "supported: deepseek_v3, glm4_moe, kimi_k2, mixtral, qwen2_moe, qwen3_moe" in out.stderr
+    assert "model_type 'llama'" in out.stderr and "supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, mixtral, qwen2_moe, qwen3_moe" in out.stderr
     with pytest.raises(ConvertError, match="exists and is not empty"):
         hf_to_mcore(sources["e4-top2-norm-untied"], llama)
     with pytest.raises(ConvertError, match="--ep = 3: must divide the model's 4 experts"):

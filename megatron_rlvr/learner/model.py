@@ -319,7 +319,9 @@ def _gather_to_hf(name: str, tensor: torch.Tensor, bridge) -> Iterator[tuple[str
     if _is_expert(name):
         ep = mpu.get_expert_model_parallel_world_size()
         per_rank = _all_gather(tensor, mpu.get_expert_model_parallel_group()) if ep > 1 else [tensor]
-        prefix, local_id = _EXPERT_ID.match(name).groups()
+        match = _EXPERT_ID.match(name)
+        assert match is not None, name  # _is_expert names end in weight<N> or bias<N>
+        prefix, local_id = match.groups()
         num_local = bridge.config.num_moe_experts // ep
         local_id = int(local_id) - mpu.get_expert_model_parallel_rank() * num_local
         for ep_rank, part in enumerate(per_rank):
