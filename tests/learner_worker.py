@@ -98,6 +98,78 @@ def entropy_check() -> dict:
             "grad_diff": float((shard.grad - whole.grad.chunk(tp, dim=-1)[rank]).abs().max())}
 
 
+def save_as_if_on_gpu() -> None:
+    """Makes save_checkpoint write what a CUDA rank writes: the device, and CUDA (Philox)
+    generator states, 16 bytes each, that no CPU generator accepts."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    from megatron_rlvr.learner import checkpoint
+
+    philox = torch.arange(16, dtype=torch.uint8)
+    checkpoint._device = lambda: "cuda"
+    torch.cuda.get_rng_state = lambda *args, **kwargs: philox.clone()
+    tracker = get_cuda_rng_tracker()
+    tracker.get_states = lambda: {name: philox.clone() for name in tracker.states_}
+
+
+def te_key(name: str, module, bridge) -> str:
+    """The checkpoint key a transformer-engine-spec model gives a parameter, from mbridge's
+    TE parameter names (what its HF mapping is written against) and Megatron's own rules:
+    layers stacked on one axis, grouped-GEMM experts under SequentialMLP's key."""
+    import re
+
+    from megatron_rlvr.learner.model import canonical_name
+
+    te_name = canonical_name(name, module, bridge)
+    assert bridge._weight_name_mapping_mcore_to_hf(te_name), te_name  # a name mbridge knows
+    key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", te_name)
+    return re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\d+$", r"mlp.experts.experts.\1.weight", key)
+
+
+def checkpoint_specs(learner: Learner, out: str) -> dict:
+    """Model checkpoints keyed as the transformer-engine spec keys them: what save_model
+    writes on CPU, and a TE-keyed checkpoint (with TE-only extra state) loading on CPU."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    from megatron_rlvr.learner.checkpoint import load_model, save_model
+    from megatron_rlvr.learner.model import _params
+
+    module, bridge = learner.modules[0], learner.bridge
+    expected = {te_key(name, module, bridge) for name, _ in _params(module)}
+    save_model(learner.modules, f"{out}/ours")
+    written = set(dist_checkpointing.load_tensors_metadata(f"{out}/ours"))
+    before = {name: p.detach().clone() for name, p in module.named_parameters()}
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(0.25)
+    te_state = module.sharded_state_dict()  # the local spec's own keys, rewritten to TE's
+    for name, value in list(te_state.items()):
+        if name.endswith("._extra_state"):
+            continue
+        value.key = te_key(name, module, bridge)
+        if ".pre_mlp_layernorm." in name:  # TENorm's FP8 metadata, which a local model lacks
+            layer = int(name.split(".")[2])
+            te_state[name.replace(".weight", "._extra_state")] = ShardedObject(
+                value.key.replace(".weight", "._extra_state"), None,
+                (learner.bridge.config.num_layers,), (layer,), replica_id=0)
+    import os
+
+    os.makedirs(f"{out}/te")
+    dist_checkpointing.save({"model": te_state}, f"{out}/te")
+    legacy = {name: p.detach().clone() for name, p in module.named_parameters()}
+    os.makedirs(f"{out}/legacy")  # the local spec's keys, as checkpoints were written before
+    dist_checkpointing.save({"model": module.sharded_state_dict()}, f"{out}/legacy")
+    loaded = {}
+    for kind in ("te", "legacy"):
+        with torch.no_grad():
+            for name, p in module.named_parameters():
+                p.copy_(before[name])
+        load_model(learner.modules, f"{out}/{kind}")
+        loaded[kind] = all(torch.equal(p, legacy[name]) for name, p in module.named_parameters())
+    return {"written": sorted(written), "expected": sorted(expected), "loaded": loaded}
+
+
 def descent(learner: Learner) -> dict:
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     batch.old_logprobs = learner.compute_logprobs(batch)
@@ -289,6 +361,12 @@ def main() -> None:
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # into the rank's log
     scenario, hf_dir, *rest = sys.argv[1:]
+    if os.environ.get("SIMULATE_GPU_HOST"):  # CUDA "available" but unusable: a CPU run must not use it
+        torch.cuda.is_available = lambda: True
+        # torch.compile (Megatron's fused router functions) saves and restores the CUDA RNG
+        # whenever CUDA is available, which a real GPU host answers; a stand-in answers here
+        torch.cuda.get_rng_state = lambda *args, **kwargs: torch.zeros(16, dtype=torch.uint8)
+        torch.cuda.set_rng_state = lambda *args, **kwargs: None
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
     cfg = load_config(None, [*BASE, *rest])
     init_parallel(cfg.parallel, seed=cfg.trainer.seed)
@@ -298,6 +376,8 @@ def main() -> None:
         result = parity(learner, hf_dir)
     elif scenario == "descent":
         result = descent(learner)
+    elif scenario == "ckpt-specs":
+        result = checkpoint_specs(learner, ckpt)
     elif scenario == "entropy":
         result = entropy_check()
     elif scenario == "replay-r2":
@@ -313,6 +393,8 @@ def main() -> None:
     elif scenario == "ckpt-save":
         batch = with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids))
         learner.train_step(batch)
+        if os.environ.get("SAVE_AS_GPU"):
+            save_as_if_on_gpu()
         save_checkpoint(learner, ckpt)
         result = {"logprobs": learner.compute_logprobs(batch).tolist()}
         learner.train_step(batch)  # the uninterrupted run's next step, for resume checks

@@ -68,3 +68,22 @@ def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_pa
     assert report["verdict"] == "FAILED at step sglang-gpu" and status["sglang-gpu"] == "FAILED (exit 7)"
     assert status["train"] == status["submit"] == "not run"
     assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
+
+
+def test_cuda_without_transformer_engine_is_refused_before_any_group_is_made():
+    pytest.importorskip("megatron.core")
+    try:
+        import transformer_engine  # noqa: F401
+        pytest.skip("transformer-engine is installed here")
+    except ImportError:
+        pass
+    import torch.distributed as dist
+
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.errors import UserError
+    from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
+
+    parallel = load_config(None, ["parallel.device=cuda"]).parallel
+    with pytest.raises(UserError, match=r"parallel.device = cuda needs transformer-engine.*setup.sh --gpu"):
+        init_parallel(parallel, Rendezvous(rank=0, world_size=1))
+    assert not dist.is_initialized()

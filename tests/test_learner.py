@@ -77,6 +77,41 @@ def test_checkpoint_resume_in_same_layout_continues_identically(tiny_hf_dir, tmp
     assert torch.equal(torch.tensor(loaded[0]["logprobs_next"]), torch.tensor(saved[0]["logprobs_next"]))
 
 
+def test_a_checkpoint_made_on_gpu_resumes_on_cpu_without_its_cuda_rng_states(tiny_hf_dir, tmp_path):
+    # A CUDA rank saves its CUDA generator's and Megatron tracker's Philox states; a CPU
+    # learner cannot take them (nor the reverse), so they come back only on the same device
+    # type, and the weights, optimizer and step still do.
+    ckpt = tmp_path / "ckpt"
+    saved = run_ranks(1, ["ckpt-save", str(tiny_hf_dir), str(ckpt)], tmp_path, env={"SAVE_AS_GPU": "1"})
+    (tmp_path / "load").mkdir()
+    loaded = run_ranks(1, ["ckpt-load", str(tiny_hf_dir), str(ckpt)], tmp_path / "load")
+    assert loaded[0]["step"] == 1
+    assert torch.equal(torch.tensor(loaded[0]["logprobs"]), torch.tensor(saved[0]["logprobs"]))
+    assert torch.equal(torch.tensor(loaded[0]["logprobs_next"]), torch.tensor(saved[0]["logprobs_next"]))
+
+
+@pytest.mark.gpu
+def test_checkpoint_made_on_cpu_loads_on_gpu_and_one_made_on_gpu_resumes_on_both(tiny_hf_dir, tmp_path):
+    # GPU-only: the transformer-engine spec and CUDA's RNG states exist only there
+    # (scripts/gpu_check.py step "checkpoint"). fp32 throughout; TE's kernels differ from the
+    # local spec's in rounding only.
+    def ranks(name: str, *args: str) -> dict:
+        (tmp_path / name).mkdir()
+        return run_ranks(1, [args[0], str(tiny_hf_dir), *args[1:]], tmp_path / name)[0]
+
+    def gap(a: dict, b: dict, key: str) -> float:
+        return float((torch.tensor(a[key]) - torch.tensor(b[key])).abs().max())
+
+    cpu = ranks("cpu-save", "ckpt-save", str(tmp_path / "cpu-ckpt"))
+    on_gpu = ranks("gpu-load", "ckpt-load", str(tmp_path / "cpu-ckpt"), "parallel.device=cuda")
+    assert on_gpu["step"] == 1 and gap(on_gpu, cpu, "logprobs") <= 1e-4
+    gpu = ranks("gpu-save", "ckpt-save", str(tmp_path / "gpu-ckpt"), "parallel.device=cuda")
+    resumed = ranks("gpu-resume", "ckpt-load", str(tmp_path / "gpu-ckpt"), "parallel.device=cuda")
+    assert gap(resumed, gpu, "logprobs") <= 1e-6 and gap(resumed, gpu, "logprobs_next") <= 1e-5
+    on_cpu = ranks("cpu-load", "ckpt-load", str(tmp_path / "gpu-ckpt"))
+    assert on_cpu["step"] == 1 and gap(on_cpu, gpu, "logprobs") <= 1e-4
+
+
 @pytest.mark.parametrize("kind", ["grpo", "gspo"])
 def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
     # GSPO's own clip range (±4e-4 on the sequence ratio) bounds how far its loss can move on
@@ -147,3 +182,30 @@ def test_expert_bias_moves_only_when_asked(family_dir, tmp_path):
     r = run_ranks(1, ["parity", str(family_dir("deepseek_v3")), "trainer.expert_bias_update_rate=0.01"],
                   tmp_path)[0]
     assert r["expert_bias_moved"]
+
+
+def test_model_checkpoints_carry_the_transformer_engine_specs_keys_both_ways(tiny_hf_dir, tmp_path):
+    # The GPU learner builds Megatron's transformer-engine spec, the CPU learner its local
+    # spec; an MoE layer's pre-MLP norm is keyed differently by the two. Checkpoints use the
+    # TE spec's keys (mbridge's TE names, stacked as Megatron stacks them), and a CPU model
+    # loads both a TE-keyed checkpoint (with TE-only extra state) and one in the old keys.
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    r = run_ranks(1, ["ckpt-specs", str(tiny_hf_dir), str(ckpt)], tmp_path)[0]
+    assert r["written"] == r["expected"]
+    assert "decoder.layers.pre_mlp_layernorm.weight" in r["written"]
+    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in r["written"]
+    assert r["loaded"] == {"te": True, "legacy": True}
+
+
+def test_a_cpu_run_on_a_machine_with_gpus_stays_on_the_cpu(world1, tiny_hf_dir, tmp_path):
+    # parallel.device decides, not torch.cuda.is_available(): with CUDA reported available
+    # (and any real CUDA call failing, this torch has none) the CPU learner runs as before.
+    gpu_host = {"SIMULATE_GPU_HOST": "1"}
+    r = run_ranks(1, ["parity", str(tiny_hf_dir)], tmp_path, env=gpu_host)[0]
+    assert r["logprob_max_diff_vs_hf"] <= 1e-5 and r["export_bitwise_equal"]
+    assert r["metrics"]["policy_loss"] == world1["metrics"]["policy_loss"]
+    saved = run_ranks(1, ["ckpt-save", str(tiny_hf_dir), str(tmp_path / "ckpt")], tmp_path, env=gpu_host)[0]
+    (tmp_path / "load").mkdir()
+    loaded = run_ranks(1, ["ckpt-load", str(tiny_hf_dir), str(tmp_path / "ckpt")], tmp_path / "load", env=gpu_host)[0]
+    assert loaded["step"] == 1 and loaded["logprobs_next"] == saved["logprobs_next"]

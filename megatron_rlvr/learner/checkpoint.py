@@ -1,7 +1,8 @@
 """Learner checkpoints with Megatron's dist_checkpointing: model, optimizer, LR schedule, step
 and RNG. Tensors are saved by their global (unsharded) coordinates, so a checkpoint saved in
-one layout (say TP=2) loads into another (say EP=2). RNG states are per rank and only
-restored into the same layout."""
+one layout (say TP=2) loads into another (say EP=2), and on either layer spec (CPU or GPU).
+RNG states (CPU, CUDA, Megatron's tracker) are per rank and only restored into the same
+layout on the same device type."""
 
 from __future__ import annotations
 
@@ -29,10 +30,14 @@ def _layout() -> list[int]:
             mpu.get_data_parallel_world_size()]
 
 
-def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool) -> dict:
+def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool,
+           path: str | Path | None = None) -> tuple[dict, dict]:
+    """The sharded state to save or load, and (loading) the model entries the checkpoint
+    lacks that keep their current value (see fit_to_checkpoint)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model_sd = learner.modules[0].sharded_state_dict()
+    model_sd = model_state(learner.modules[0])
+    kept = fit_to_checkpoint(learner.modules[0], model_sd, path) if loading else {}
     state = {"model": model_sd}
     if with_optimizer and loading:
         _allocate_optimizer_state(learner.optimizer)
@@ -43,9 +48,19 @@ def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool) -> d
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+        if _device() == "cuda":  # the default CUDA generator, beside the tracker's named ones
+            rng["cuda"] = torch.cuda.get_rng_state()
         state["rng"] = ShardedObject("rng_state", rng, (dist.get_world_size(),),
                                      (dist.get_rank(),), replica_id=0)
-    return state
+    return state, kept
+
+
+def _device() -> str:
+    """Where this learner computes. RNG states are per device type: the CPU tracker's are
+    Mersenne-Twister states, CUDA's Philox ones, so they only go back on the same type."""
+    from megatron_rlvr.learner.parallel import device
+
+    return device().type
 
 
 def _allocate_optimizer_state(optimizer) -> None:
@@ -65,10 +80,11 @@ def save_checkpoint(learner, path: str | Path) -> None:
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    state = _state(learner, loading=False, with_optimizer=True, with_rng=True)
+    state, _ = _state(learner, loading=False, with_optimizer=True, with_rng=True)
     state["scheduler"] = learner.scheduler.state_dict()
     state["step"] = learner.step
     state["layout"] = _layout()
+    state["device"] = _device()
     state["optimizer_parts"] = _optimizer_parts(learner.optimizer)
     dist_checkpointing.save(state, str(path))
 
@@ -85,6 +101,7 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
 
     common = dist_checkpointing.load_common_state_dict(str(path))
     same_layout = list(common.get("layout", [])) == _layout()
+    same_rng = same_layout and common.get("device", "cpu") == _device()  # older ones: CPU-made
     if with_optimizer and common.get("optimizer_parts") != _optimizer_parts(learner.optimizer):
         # Megatron stores chained optimizers' common state by position, so a layout that
         # chains differently (e.g. TP=2 → EP=2 adds an expert optimizer) cannot take it back.
@@ -92,24 +109,71 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
                     "loading weights, LR schedule and step, and starting Adam moments afresh", path)
         with_optimizer = False
         learner.scheduler.load_state_dict(common["scheduler"])
-    state = _state(learner, loading=True, with_optimizer=with_optimizer, with_rng=same_layout)
+    state, kept = _state(learner, loading=True, with_optimizer=with_optimizer,
+                         with_rng=same_rng, path=path)
     loaded = dist_checkpointing.load(state, str(path))
-    learner.modules[0].load_state_dict(loaded["model"])
+    learner.modules[0].load_state_dict({**loaded["model"], **kept})
     if with_optimizer:
         learner.optimizer.load_state_dict(loaded["optimizer"])
         learner.scheduler.load_state_dict(common["scheduler"])
     else:
         learner.optimizer.reload_model_params()
-    if same_layout:
+    if same_rng:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         torch.set_rng_state(loaded["rng"]["torch"])
         get_cuda_rng_tracker().set_states(loaded["rng"]["tracker"])
+        if "cuda" in loaded["rng"]:
+            torch.cuda.set_rng_state(loaded["rng"]["cuda"])
     else:
-        log.info("checkpoint layout %s differs from this one: RNG states not restored",
-                 common.get("layout"))
+        log.info("checkpoint made in layout %s on %s, this run is %s on %s: RNG states not "
+                 "restored", common.get("layout"), common.get("device", "cpu"), _layout(), _device())
     learner.step = int(common["step"])
     return learner.step
+
+
+# ----------------------------------------------------------------------------- spec-independent keys
+_LOCAL_MOE_NORM = "mlp.linear_fc1.layer_norm_"  # where the local spec files an MoE layer's norm
+_TE_MOE_NORM = "pre_mlp_layernorm."  # where the transformer-engine spec keeps it
+
+
+def model_state(module: torch.nn.Module) -> dict:
+    """The model's sharded state dict under the transformer-engine spec's checkpoint keys,
+    whichever spec built it, so that a checkpoint (or conversion) made on CPU (local spec)
+    loads on GPU (TE spec) and back. Megatron-Core 0.16.1's local spec maps every layer's
+    `pre_mlp_layernorm.` to `mlp.linear_fc1.layer_norm_`, which is the TE key of a dense
+    layer (TE fuses that norm into linear_fc1) but not of an MoE layer, whose TE spec keeps a
+    separate `pre_mlp_layernorm`. The fused input norm and the experts already agree."""
+    state = module.sharded_state_dict()
+    for name, value in state.items():
+        layer, found, _ = name.partition(_TE_MOE_NORM)
+        if found and f"{layer}mlp.router.weight" in state and _LOCAL_MOE_NORM in value.key:
+            value.key = value.key.replace(_LOCAL_MOE_NORM, _TE_MOE_NORM)
+    return state
+
+
+def fit_to_checkpoint(module: torch.nn.Module, state: dict, path: str | Path) -> dict:
+    """Fits a model state (from model_state) to what the checkpoint at `path` holds, in place:
+    an MoE norm the checkpoint keeps under the local spec's key (checkpoints written before
+    keys were made spec-independent) is read from there; `_extra_state` objects it lacks
+    (transformer-engine's FP8 metadata, absent from a local-spec checkpoint) are not requested.
+    Returns those entries with their current value, for load_state_dict."""
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+
+    held = {value.key for value in load_sharded_metadata(str(path)).values()}
+    current, kept = None, {}
+    for name, value in list(state.items()):
+        if not isinstance(value, (ShardedTensor, ShardedObject)) or value.key in held:
+            continue
+        legacy = value.key.replace(_TE_MOE_NORM, _LOCAL_MOE_NORM)
+        if isinstance(value, ShardedTensor) and legacy in held:
+            value.key = legacy
+        elif isinstance(value, ShardedObject) and name.endswith("._extra_state"):
+            current = current if current is not None else module.state_dict()
+            kept[name] = current[name]
+            del state[name]
+    return kept
 
 
 # ----------------------------------------------------------------------------- model only
@@ -123,7 +187,7 @@ def save_model(modules: list[ModelChunk], path: str | Path) -> None:
     from megatron.core import dist_checkpointing
 
     Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save({"model": modules[0].sharded_state_dict()}, str(path))
+    dist_checkpointing.save({"model": model_state(modules[0])}, str(path))
 
 
 def load_model(modules: list[ModelChunk], path: str | Path) -> None:
@@ -132,10 +196,11 @@ def load_model(modules: list[ModelChunk], path: str | Path) -> None:
     config) without a word, so the tensor set and shapes are checked first. Collective."""
     from megatron.core import dist_checkpointing
 
-    state = modules[0].sharded_state_dict()
+    state = model_state(modules[0])
+    kept = fit_to_checkpoint(modules[0], state, path)
     check_model_tensors(state, dist_checkpointing.load_tensors_metadata(str(path)), path)
     loaded = dist_checkpointing.load({"model": state}, str(path))
-    modules[0].load_state_dict(loaded["model"])
+    modules[0].load_state_dict({**loaded["model"], **kept})
 
 
 def _global_shapes(state: dict) -> dict[str, tuple[int, ...]]:

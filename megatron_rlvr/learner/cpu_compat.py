@@ -324,11 +324,10 @@ def check_version() -> None:
 
 
 def apply() -> None:
-    """Adapts Megatron-Core to CPU, once per process. Idempotent."""
+    """Adapts Megatron-Core to CPU, once per process. Idempotent. Also on a machine with
+    GPUs: parallel.device = cpu means this process computes on the CPU only."""
     if _state["applied"]:
         return
-    if torch.cuda.is_available():
-        raise CpuCompatError("cpu_compat.apply() on a machine with CUDA: use device=cuda")
     check_version()
     _install_rng_tracker()
     _patch_cuda_runtime()

@@ -128,7 +128,7 @@ def build_model_chunks(bridge) -> list[torch.nn.Module]:
     provider = bridge._model_provider([])
     model = provider(pre_process=mpu.is_pipeline_first_stage(),
                      post_process=mpu.is_pipeline_last_stage())
-    if torch.cuda.is_available():
+    if rank_device().type == "cuda":
         model = model.cuda()
     return [model]
 

@@ -12,13 +12,31 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.config import ResolvedParallel
+from megatron_rlvr.errors import UserError
 
 
 def device() -> torch.device:
-    """This rank's device: its CUDA device, or the CPU."""
-    if torch.cuda.is_available():
+    """This rank's device, as `parallel.device` chose it in init_parallel: its CUDA device
+    under NCCL, else the CPU (also on a machine that has GPUs: a CPU run never touches them)."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
+
+
+class MissingTransformerEngine(UserError, RuntimeError):
+    pass
+
+
+def require_transformer_engine() -> None:
+    """parallel.device = cuda builds Megatron's transformer-engine layer spec; the local spec
+    on CUDA would need the adaptations learner/cpu_compat.py makes for CPU only (plain norms
+    under sequence parallelism, the fused MoE kernels' names), so CUDA without TE is refused."""
+    try:
+        import transformer_engine  # noqa: F401
+    except ImportError as err:
+        raise MissingTransformerEngine(
+            f"parallel.device = cuda needs transformer-engine ({err}): install the GPU environment "
+            "(bash scripts/setup.sh --gpu, the [gpu] extra) or set parallel.device = cpu") from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -68,6 +86,7 @@ def init_parallel(parallel: ResolvedParallel, rendezvous: Rendezvous | None = No
         cpu_compat.apply()
         backend = "gloo"
     else:
+        require_transformer_engine()
         torch.cuda.set_device(rv.local_rank)
         backend = "nccl"
     if not dist.is_initialized():
