@@ -79,23 +79,33 @@ def parity(learner: Learner, hf_dir: str) -> dict:
 
 
 def entropy_check() -> dict:
-    """token_entropy on vocab-sharded logits (this rank's slice) against the closed form on
-    the full logits, values and gradients."""
+    """Logprobs and entropy from vocab-sharded logits (this rank's slice), computed a few
+    tokens at a time, against the closed form on the full logits: values and gradients."""
     from megatron.core import parallel_state as mpu
 
-    from megatron_rlvr.learner.forward import token_entropy
+    from megatron_rlvr.learner.logits import logprobs_and_entropy
 
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
-    full = torch.randn(2, 5, 24, generator=torch.Generator().manual_seed(3)) * 3
-    shard = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
-    ours = token_entropy(shard, temperature=0.7)
-    (ours * torch.arange(5.0)).sum().backward()
+    gen = torch.Generator().manual_seed(3)
+    full = torch.randn(2, 5, 24, generator=gen) * 3
+    ids = torch.randint(0, 24, (2, 5), generator=gen)
+    weights = torch.randn(2, 2, 5, generator=gen)
     whole = full.clone().requires_grad_()
     logp = torch.log_softmax(whole[:, :-1] / 0.7, -1)
-    reference = torch.nn.functional.pad(-(logp.exp() * logp).sum(-1), (1, 0))
-    (reference * torch.arange(5.0)).sum().backward()
-    return {"value_diff": float((ours - reference).abs().max()),
+    pad = torch.nn.functional.pad
+    ref_lp = pad(logp.gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+    ref_h = pad(-(logp.exp() * logp).sum(-1), (1, 0))
+    ((ref_lp * weights[0]).sum() + (ref_h * weights[1]).sum()).backward()
+    result = {}
+    for rows in (3, None):  # chunks that split sequences, and the default (one chunk)
+        shard = full.chunk(tp, dim=-1)[rank].clone().requires_grad_()
+        lp, h = logprobs_and_entropy(shard, ids, temperature=0.7, chunk_rows=rows)
+        ((lp * weights[0]).sum() + (h * weights[1]).sum()).backward()
+        result[str(rows)] = {
+            "logprob_diff": float((lp - ref_lp).abs().max()),
+            "value_diff": float((h - ref_h).abs().max()),
             "grad_diff": float((shard.grad - whole.grad.chunk(tp, dim=-1)[rank]).abs().max())}
+    return result
 
 
 def save_as_if_on_gpu() -> None:

@@ -124,9 +124,11 @@ def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
 
 
 @pytest.mark.parametrize("layout", [[], LAYOUTS["tp2-sp"]], ids=["world1", "tp2"])
-def test_entropy_from_vocab_sharded_logits_equals_the_closed_form(layout, tiny_hf_dir, tmp_path):
+def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed_form(layout, tiny_hf_dir,
+                                                                                       tmp_path):
     for r in run_ranks(2 if layout else 1, ["entropy", str(tiny_hf_dir), *layout], tmp_path):
-        assert r["value_diff"] <= 1e-5 and r["grad_diff"] <= 1e-6, r
+        for rows, d in r.items():
+            assert d["logprob_diff"] <= 1e-5 and d["value_diff"] <= 1e-5 and d["grad_diff"] <= 1e-6, (rows, d)
 
 
 def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_path):

@@ -1,8 +1,9 @@
 """Forward passes through Megatron's pipeline schedules: per-token logprobs (forward only)
 and one mini-batch of policy-gradient training (forward + backward over micro-batches).
 
-Logprobs use Megatron's vocab-parallel cross entropy: under TP each rank holds a slice of
-the vocabulary and only per-token maxima and sums cross ranks, never the full-vocab logits.
+Logprobs and entropy come from learner/logits.py: under TP each rank holds a slice of the
+vocabulary and only per-token maxima and sums cross ranks, never the full-vocab logits; they
+are computed a chunk of tokens at a time, which bounds the last stage's logit-side memory.
 """
 
 from __future__ import annotations
@@ -12,41 +13,13 @@ from typing import Protocol
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from megatron_rlvr.algo.losses import AGGREGATIONS, policy_loss
 from megatron_rlvr.algo.metrics import masked_mean
 from megatron_rlvr.config import AlgoConfig
 from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.learner.logits import logprobs_and_entropy
 from megatron_rlvr.learner.parallel import device as rank_device
-
-
-def token_logprobs(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """logits [B, T, V/tp] (vocab-sharded) → logprob of each target token [B, T]; column 0
-    (no prediction for the first token) is 0. Temperature 0 (greedy sampling) means the raw
-    distribution, as engines report it."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
-
-    shifted = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    ce = vocab_parallel_cross_entropy(shifted.contiguous(), input_ids[:, 1:].contiguous())
-    return F.pad(-ce, (1, 0))
-
-
-def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
-    """Entropy of the next-token distribution [B, T] (aligned with token_logprobs), with
-    gradient, from vocab-sharded logits: H = log Σe^z − Σ e^z·z / Σe^z, each sum over the
-    whole vocabulary by one all-reduce over the tensor-parallel group."""
-    from megatron.core import parallel_state as mpu
-    from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-
-    z = logits[:, :-1].float() / (temperature if temperature > 0 else 1.0)
-    peak = z.detach().max(dim=-1, keepdim=True).values
-    dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=mpu.get_tensor_model_parallel_group())
-    z = z - peak
-    e = z.exp()
-    sums = reduce_from_tensor_model_parallel_region(torch.stack([e.sum(-1), (e * z).sum(-1)]))
-    return F.pad(sums[0].log() - sums[1] / sums[0], (1, 0))
-
 
 
 class MicroBatchHooks(Protocol):
@@ -93,7 +66,7 @@ def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float,
     from megatron.core import parallel_state as mpu
 
     def collect(mb, output, non_loss_data=True):
-        return token_logprobs(output, mb.input_ids.to(output.device), temperature).detach()
+        return logprobs_and_entropy(output, mb.input_ids, temperature)[0].detach()
 
     with torch.no_grad():
         outputs = run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
@@ -121,7 +94,7 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
 
     def loss_fn(mb, output):
         device = output.device
-        logprobs = token_logprobs(output, mb.input_ids.to(device), temperature)
+        logprobs, entropy = logprobs_and_entropy(output, mb.input_ids, temperature)
         mask = mb.response_mask.to(device)
         kwargs = {}
         if mb.rollout_logprobs is not None:
@@ -136,7 +109,6 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
             kind=algo.kind, clip_low=algo.clip_low, clip_high=algo.clip_high,
             clip_ratio_c=algo.clip_ratio_c, agg=algo.agg, agg_normalizer=agg_normalizer, **kwargs,
         )
-        entropy = token_entropy(output, temperature)
         if algo.entropy_coef:  # a bonus: higher entropy lowers the loss, against collapse
             loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, mask, agg_normalizer)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
