@@ -60,7 +60,13 @@ def _layout(tp: int, pp: int, ep: int, etp: int | None) -> dict:
 def _device(device: str | None) -> str:
     import torch
 
-    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device:
+        return device
+    import importlib.util
+
+    # CUDA needs transformer-engine (learner/parallel.py refuses it otherwise)
+    gpu_ready = torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
+    return "cuda" if gpu_ready else "cpu"
 
 
 def _probe_tokens(vocab_size: int) -> list[list[int]]:
@@ -229,7 +235,7 @@ def add_parser(sub) -> None:
         for flag, meaning in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
             parser.add_argument(f"--{flag}", type=int, default=1, help=f"{meaning}-parallel ranks")
         parser.add_argument("--etp", type=int, help="expert tensor-parallel ranks; default: --tp")
-        parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available")
+        parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available with transformer-engine")
         parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
                             help="compare logits with HF transformers and tensors bitwise (default: on)")
 
