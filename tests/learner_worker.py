@@ -61,10 +61,10 @@ def parity(learner: Learner, hf_dir: str) -> dict:
     original = load_file(os.path.join(hf_dir, "model.safetensors"))
     mtp = mtp_tensor_names(set(original), learner.bridge.hf_config)  # skipped on purpose
     original = {name: tensor for name, tensor in original.items() if name not in mtp}
-    exported = {name: tensor.clone() for name, tensor in learner.export_hf()}
+    exported = {name: tensor.to("cpu", copy=True) for name, tensor in learner.export_hf()}
     metrics = learner.train_step(with_rl_fields(batch, logprobs))
     after = learner.compute_logprobs(batch)
-    moved = {name: tensor for name, tensor in learner.export_hf()}
+    moved = {name: tensor.cpu() for name, tensor in learner.export_hf()}
     return {
         "logprob_max_diff_vs_hf": float((logprobs - reference)[:, 1:].abs().max()),
         "metrics": metrics,
@@ -85,11 +85,13 @@ def entropy_check() -> dict:
 
     from megatron_rlvr.learner.logits import logprobs_and_entropy
 
+    from megatron_rlvr.learner.parallel import device
+
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()
     gen = torch.Generator().manual_seed(3)
-    full = torch.randn(2, 5, 24, generator=gen) * 3
-    ids = torch.randint(0, 24, (2, 5), generator=gen)
-    weights = torch.randn(2, 2, 5, generator=gen)
+    full = (torch.randn(2, 5, 24, generator=gen) * 3).to(device())
+    ids = torch.randint(0, 24, (2, 5), generator=gen).to(device())
+    weights = torch.randn(2, 2, 5, generator=gen).to(device())
     whole = full.clone().requires_grad_()
     logp = torch.log_softmax(whole[:, :-1] / 0.7, -1)
     pad = torch.nn.functional.pad
@@ -304,7 +306,7 @@ def sync_scenario(learner: Learner, urls: list[str], corrupt: bool) -> dict:
         loop.run_until_complete(syncer.connect())
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     learner.train_step(with_rl_fields(batch, learner.compute_logprobs(batch)))
-    exported = {name: tensor.clone() for name, tensor in learner.export_hf()}
+    exported = {name: tensor.to("cpu", copy=True) for name, tensor in learner.export_hf()}
     start_version = syncer.version if source else 0
     result: dict = {"metrics": sync_weights(learner, start_version + 1, syncer=syncer, loop=loop)}
     if not source:

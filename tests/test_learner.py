@@ -77,6 +77,17 @@ def test_checkpoint_resume_in_same_layout_continues_identically(tiny_hf_dir, tmp
     assert torch.equal(torch.tensor(loaded[0]["logprobs_next"]), torch.tensor(saved[0]["logprobs_next"]))
 
 
+@pytest.mark.gpu
+def test_world1_on_cuda_matches_hf_logprobs_trains_and_exports(tiny_hf_dir, tmp_path):
+    # GPU-only: NCCL and the transformer-engine spec (scripts/gpu_check.py step "learner-hf").
+    # Every learner collective (the logprob all-gather, the metric and routing-agreement
+    # reductions) then runs on NCCL, which takes no CPU tensor. fp32; TE's GEMMs may use TF32.
+    r = run_ranks(1, ["parity", str(tiny_hf_dir), "parallel.device=cuda"], tmp_path)[0]
+    assert r["logprob_max_diff_vs_hf"] <= 1e-2, r["logprob_max_diff_vs_hf"]
+    assert r["exported_names_match"] and r["export_bitwise_equal"] and r["export_changed_after_training"]
+    assert r["metrics"]["grad_norm"] > 0
+
+
 def test_a_checkpoint_made_on_gpu_resumes_on_cpu_without_its_cuda_rng_states(tiny_hf_dir, tmp_path):
     # A CUDA rank saves its CUDA generator's and Megatron tracker's Philox states; a CPU
     # learner cannot take them (nor the reverse), so they come back only on the same device
@@ -123,7 +134,8 @@ def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
     assert all(b <= a + 1e-6 for a, b in zip(losses, losses[1:])), losses
 
 
-@pytest.mark.parametrize("layout", [[], LAYOUTS["tp2-sp"]], ids=["world1", "tp2"])
+@pytest.mark.parametrize("layout", [[], LAYOUTS["tp2-sp"], pytest.param(["parallel.device=cuda"], marks=pytest.mark.gpu)],
+                         ids=["world1", "tp2", "cuda"])
 def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed_form(layout, tiny_hf_dir,
                                                                                        tmp_path):
     for r in run_ranks(2 if layout else 1, ["entropy", str(tiny_hf_dir), *layout], tmp_path):

@@ -70,7 +70,7 @@ def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float,
 
     with torch.no_grad():
         outputs = run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
-    return torch.cat(outputs).cpu() if mpu.is_pipeline_last_stage() else None
+    return torch.cat(outputs) if mpu.is_pipeline_last_stage() else None  # on the rank's device
 
 
 def step_normalizer(batch: TrainBatch, agg: str) -> float:
@@ -130,6 +130,7 @@ def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]
 
     names = METRIC_NAMES
     counts_here = mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
+    # built on the host, reduced on the rank's device (NCCL's default group takes no CPU tensor)
     sums = torch.zeros(len(names) + 1, dtype=torch.float64)  # last slot: tokens
     maxima = torch.full((len(names),), -float("inf"), dtype=torch.float64)
     present = torch.zeros(len(names), dtype=torch.float64)
@@ -145,9 +146,12 @@ def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]
                 maxima[i] = max(float(maxima[i]), value)
             else:
                 sums[i] += value if key == "policy_loss" else value * tokens
+    device = rank_device()
+    sums, maxima, present = (t.to(device) for t in (sums, maxima, present))
     for tensor, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX),
                        (present, dist.ReduceOp.MAX)):
         dist.all_reduce(tensor, op=op)
+    sums, maxima, present = (t.cpu() for t in (sums, maxima, present))
     total = max(float(sums[-1]), 1.0)
     out = {}
     for i, key in enumerate(names):

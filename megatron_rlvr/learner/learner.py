@@ -20,6 +20,7 @@ from megatron_rlvr.learner.forward import (
     step_normalizer,
     train_minibatch,
 )
+from megatron_rlvr.learner.parallel import device as rank_device
 from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay, WatchRouting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -174,7 +175,8 @@ class Learner:
             self.replay.stop_measuring()
             self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
         width = local[0].input_ids.shape[1]
-        ours = torch.zeros(sum(len(i) for i in index), width) if ours is None else ours
+        device = rank_device()  # the collectives' tensors live on the groups' device
+        ours = torch.zeros(sum(len(i) for i in index), width, device=device) if ours is None else ours
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             last = mpu.get_pipeline_model_parallel_last_rank()
             dist.broadcast(ours, src=last, group=mpu.get_pipeline_model_parallel_group())
@@ -183,7 +185,7 @@ class Learner:
         dist.all_gather(gathered, ours, group=mpu.get_data_parallel_group())
         full = torch.zeros(batch.size, width)
         for rank, part in enumerate(gathered):
-            full[torch.cat(minibatch_indices(batch.size, num_minibatches, dp, rank))] = part
+            full[torch.cat(minibatch_indices(batch.size, num_minibatches, dp, rank))] = part.cpu()
         return full[:rows, : batch.input_ids.shape[1]]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

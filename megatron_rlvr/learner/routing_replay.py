@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.learner import ModelChunk
+from megatron_rlvr.learner.parallel import device as rank_device
 
 
 def _moe_routers(modules: list[ModelChunk]) -> list[tuple[int, Any]]:
@@ -182,8 +183,9 @@ class RoutingReplay:
         """Agreement of natural vs target routing since the last call, summed over all ranks:
         overall and per layer (only MoE layers that saw tokens); `{prefix}_used`: the routing
         actually used vs the target, overall."""
-        totals = torch.stack([self._agree, self._count, self._used])
-        dist.all_reduce(totals)
+        totals = torch.stack([self._agree, self._count, self._used]).to(rank_device())
+        dist.all_reduce(totals)  # on the default group's device: NCCL takes no CPU tensor
+        totals = totals.cpu()
         for tally in (self._agree, self._count, self._used):
             tally.zero_()
         agree, count, used = totals
