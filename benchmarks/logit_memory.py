@@ -1,5 +1,5 @@
 """Peak memory of the last stage's logit-side work (logprobs + entropy, forward and backward)
-on CPU: the plain computation the learner used before (Megatron's vocab-parallel cross entropy
+on CPU, and its time: the plain computation the learner used before (Megatron's vocab-parallel cross entropy
 on an fp32 copy, entropy through autograd) against learner/logits.py's chunked one. Each runs
 in a fresh process; the figure is its peak RSS above the RSS with the logits allocated.
 
@@ -12,6 +12,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -61,10 +62,12 @@ def measure(kind: str, batch: int, length: int, vocab: int) -> dict:
     reset_peak()
     base = rss_mib()
     fn = plain if kind == "plain" else logprobs_and_entropy
+    started = time.perf_counter()
     lp, h = fn(logits, ids, 0.7)
     ((lp * weights[0]).sum() + (h * weights[1]).sum()).backward()
+    seconds = time.perf_counter() - started
     peak = rss_mib("VmHWM")
-    return {"kind": kind, "peak_above_logits_mib": round(peak - base, 1),
+    return {"kind": kind, "peak_above_logits_mib": round(peak - base, 1), "seconds": round(seconds, 2),
             "logits_mib": round(logits.numel() * 2 / 2**20, 1),
             "lp": lp.detach().double().sum().item(), "h": h.detach().double().sum().item(),
             "grad": logits.grad.double().abs().sum().item()}
@@ -90,7 +93,8 @@ def main() -> None:
     print(json.dumps(results, indent=1))
     print(f"B={args.batch} T={args.length} V={args.vocab} bf16 logits {results['plain']['logits_mib']} MiB: "
           f"peak above the logits {plain_peak} MiB plain, {chunked_peak} MiB chunked "
-          f"({plain_peak / max(chunked_peak, 1e-9):.1f}x less)")
+          f"({plain_peak / max(chunked_peak, 1e-9):.1f}x less); forward+backward "
+          f"{results['plain']['seconds']} s plain, {results['chunked']['seconds']} s chunked")
 
 
 if __name__ == "__main__":
