@@ -84,7 +84,6 @@ def entropy_check() -> dict:
     from megatron.core import parallel_state as mpu
 
     from megatron_rlvr.learner.logits import logprobs_and_entropy
-
     from megatron_rlvr.learner.parallel import device
 
     tp, rank = mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank()

@@ -32,12 +32,12 @@ def _layout() -> list[int]:
 
 def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool,
            path: str | Path | None = None) -> tuple[dict, dict]:
-    """The sharded state to save or load, and (loading) the model entries the checkpoint
-    lacks that keep their current value (see fit_to_checkpoint)."""
+    """The sharded state to save or load, and (loading: the checkpoint's path given) the model
+    entries the checkpoint lacks that keep their current value (see fit_to_checkpoint)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = model_state(learner.modules[0])
-    kept = fit_to_checkpoint(learner.modules[0], model_sd, path) if loading else {}
+    kept = fit_to_checkpoint(learner.modules[0], model_sd, path) if path is not None else {}
     state = {"model": model_sd}
     if with_optimizer and loading:
         _allocate_optimizer_state(learner.optimizer)
@@ -137,7 +137,7 @@ _LOCAL_MOE_NORM = "mlp.linear_fc1.layer_norm_"  # where the local spec files an 
 _TE_MOE_NORM = "pre_mlp_layernorm."  # where the transformer-engine spec keeps it
 
 
-def model_state(module: torch.nn.Module) -> dict:
+def model_state(module: ModelChunk) -> dict:
     """The model's sharded state dict under the transformer-engine spec's checkpoint keys,
     whichever spec built it, so that a checkpoint (or conversion) made on CPU (local spec)
     loads on GPU (TE spec) and back. Megatron-Core 0.16.1's local spec maps every layer's
@@ -152,7 +152,7 @@ def model_state(module: torch.nn.Module) -> dict:
     return state
 
 
-def fit_to_checkpoint(module: torch.nn.Module, state: dict, path: str | Path) -> dict:
+def fit_to_checkpoint(module: ModelChunk, state: dict, path: str | Path) -> dict:
     """Fits a model state (from model_state) to what the checkpoint at `path` holds, in place:
     an MoE norm the checkpoint keeps under the local spec's key (checkpoints written before
     keys were made spec-independent) is read from there; `_extra_state` objects it lacks
