@@ -39,8 +39,10 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(str(CONFIG), [f"trainer.output_dir={out}", f"trainer.steps={args.steps}",
-                                        "logging.tensorboard=false", *args.overrides])
+        cfg = load_config(
+            str(CONFIG),
+            [f"trainer.output_dir={out}", f"trainer.steps={args.steps}", "logging.tensorboard=false", *args.overrides],
+        )
         history = train(cfg).history
     batch = cfg.buffer.batch_groups
     print(f"{'step':>4} {'generated':>9} {'kept':>5} {'useful':>7} {'3x/used':>8}")
@@ -59,10 +61,14 @@ def main() -> None:
     generated, kept = last["buffer/generated"], last["buffer/kept_groups"]
     used = last["buffer/used"] + last["buffer/waiting"]
     ours, optimum = generated / used, generated / kept
-    print(f"groups generated {generated}, kept {kept}, trained on {last['buffer/used']}, waiting "
-          f"{last['buffer/waiting']}, dropped stale {last['buffer/dropped_stale']}")
-    print(f"generated per used group: ours {ours:.3f}  optimum {optimum:.3f}  "
-          f"fixed 3x {fixed_total / (batch * len(history)):.3f}")
+    print(
+        f"groups generated {generated}, kept {kept}, trained on {last['buffer/used']}, waiting "
+        f"{last['buffer/waiting']}, dropped stale {last['buffer/dropped_stale']}"
+    )
+    print(
+        f"generated per used group: ours {ours:.3f}  optimum {optimum:.3f}  "
+        f"fixed 3x {fixed_total / (batch * len(history)):.3f}"
+    )
     print(f"ratio: {ours / optimum:.3f}")
 
 

@@ -21,9 +21,16 @@ CONFIG = Path(__file__).resolve().parents[1] / "configs" / "tiny-moe-cpu.yaml"
 
 def throughput(steps: int, overrides: list[str], overlap: bool) -> tuple[float, list[dict]]:
     with tempfile.TemporaryDirectory() as out:
-        cfg = load_config(str(CONFIG), [f"trainer.output_dir={out}", f"trainer.steps={steps}",
-                                        "logging.tensorboard=false", f"buffer.async_rollout={overlap}",
-                                        *overrides])
+        cfg = load_config(
+            str(CONFIG),
+            [
+                f"trainer.output_dir={out}",
+                f"trainer.steps={steps}",
+                "logging.tensorboard=false",
+                f"buffer.async_rollout={overlap}",
+                *overrides,
+            ],
+        )
         history = train(cfg).history
     samples = cfg.buffer.batch_groups * cfg.rollout.n_samples_per_prompt
     seconds = sum(m["time/step_s"] for m in history[1:])
@@ -41,8 +48,10 @@ def main() -> None:
         stale = history[-1]["buffer/dropped_stale"]
         reward = statistics.fmean(m["reward/mean"] for m in history[-5:] if "reward/mean" in m)
         results[name] = rate
-        print(f"{name:>5}: {rate:8.1f} samples/s  median step {statistics.median(m['time/step_s'] for m in history[1:]):.2f} s"
-              f"  reward (last 5) {reward:.3f}  dropped stale {stale}")
+        print(
+            f"{name:>5}: {rate:8.1f} samples/s  median step {statistics.median(m['time/step_s'] for m in history[1:]):.2f} s"
+            f"  reward (last 5) {reward:.3f}  dropped stale {stale}"
+        )
     print(f"ratio: {results['async'] / results['sync']:.2f}")
 
 

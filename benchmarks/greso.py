@@ -53,8 +53,14 @@ def summarise(run: str, seed: int, skipping: bool, rows: list[dict], wall_s: flo
     """One run's figures from its metrics.jsonl rows (one per step, in order)."""
     rewards = [(r["step"], r["reward/mean"]) for r in rows if "reward/mean" in r]
     last = [v for _, v in rewards[-LAST:]]
-    step_to_target = next((rewards[i][0] for i in range(WINDOW - 1, len(rewards))
-                           if statistics.fmean(v for _, v in rewards[i - WINDOW + 1:i + 1]) >= TARGET), None)
+    step_to_target = next(
+        (
+            rewards[i][0]
+            for i in range(WINDOW - 1, len(rewards))
+            if statistics.fmean(v for _, v in rewards[i - WINDOW + 1 : i + 1]) >= TARGET
+        ),
+        None,
+    )
     evals = [r for r in rows if any(k.startswith("eval/") and "/avg@" in k for k in r)]
     eval_reward = None
     if evals:
@@ -62,10 +68,19 @@ def summarise(run: str, seed: int, skipping: bool, rows: list[dict], wall_s: flo
         eval_reward = statistics.fmean(values)
     final = rows[-1] if rows else {}
     used = final.get("buffer/used", 0)
-    return Result(run, seed, skipping, len(rows),
-                  final.get("buffer/generated", 0) / used if used else float("inf"), wall_s,
-                  statistics.fmean(last) if last else float("nan"), step_to_target,
-                  sum(r.get("sampler/skipped_prompts", 0) for r in rows), eval_reward, message)
+    return Result(
+        run,
+        seed,
+        skipping,
+        len(rows),
+        final.get("buffer/generated", 0) / used if used else float("inf"),
+        wall_s,
+        statistics.fmean(last) if last else float("nan"),
+        step_to_target,
+        sum(r.get("sampler/skipped_prompts", 0) for r in rows),
+        eval_reward,
+        message,
+    )
 
 
 def train(run: str, seed: int, skipping: bool, overrides: list[str], attempts: int = 2) -> Result:
@@ -82,15 +97,26 @@ def train(run: str, seed: int, skipping: bool, overrides: list[str], attempts: i
 
 def _train_once(run: str, seed: int, skipping: bool, overrides: list[str]) -> Result:
     with tempfile.TemporaryDirectory() as out:
-        command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(CONFIG), *overrides,
-                   f"trainer.seed={seed}", f"buffer.skip_prompts.enabled={str(skipping).lower()}",
-                   f"trainer.output_dir={out}", "logging.tensorboard=false"]
+        command = [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "train",
+            str(CONFIG),
+            *overrides,
+            f"trainer.seed={seed}",
+            f"buffer.skip_prompts.enabled={str(skipping).lower()}",
+            f"trainer.output_dir={out}",
+            "logging.tensorboard=false",
+        ]
         started = time.perf_counter()
         done = subprocess.run(command, capture_output=True, text=True)
         wall_s = time.perf_counter() - started
         if done.returncode != 0:
-            raise RuntimeError(f"{run} seed {seed} skipping {skipping}: exit {done.returncode}: "
-                               f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}")
+            raise RuntimeError(
+                f"{run} seed {seed} skipping {skipping}: exit {done.returncode}: "
+                f"{done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ''}"
+            )
         metrics = Path(out) / "metrics.jsonl"
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
     ended = [line for line in done.stdout.splitlines() + done.stderr.splitlines() if "nothing left to learn" in line]
@@ -99,14 +125,18 @@ def _train_once(run: str, seed: int, skipping: bool, overrides: list[str]) -> Re
 
 def table(results: list[Result]) -> str:
     """The printed table, then one ratio line per (run, seed) pair: generated per used, off / on."""
-    header = (f"{'run':<11} {'seed':>4} {'skip':>4} {'steps':>5} {'gen/used':>8} {'wall s':>7} "
-              f"{'last-20 reward':>14} {'step to ' + str(TARGET):>11} {'skipped':>7} {'eval':>6}")
+    header = (
+        f"{'run':<11} {'seed':>4} {'skip':>4} {'steps':>5} {'gen/used':>8} {'wall s':>7} "
+        f"{'last-20 reward':>14} {'step to ' + str(TARGET):>11} {'skipped':>7} {'eval':>6}"
+    )
     lines = [header, "-" * len(header)]
     for r in results:
-        lines.append(f"{r.run:<11} {r.seed:>4} {'on' if r.skipping else 'off':>4} {r.steps:>5} "
-                     f"{r.generated_per_used:>8.2f} {r.wall_s:>7.0f} {r.last_reward:>14.3f} "
-                     f"{r.step_to_target if r.step_to_target is not None else '-':>11} {r.skipped:>7} "
-                     f"{f'{r.eval_reward:.3f}' if r.eval_reward is not None else '-':>6}")
+        lines.append(
+            f"{r.run:<11} {r.seed:>4} {'on' if r.skipping else 'off':>4} {r.steps:>5} "
+            f"{r.generated_per_used:>8.2f} {r.wall_s:>7.0f} {r.last_reward:>14.3f} "
+            f"{r.step_to_target if r.step_to_target is not None else '-':>11} {r.skipped:>7} "
+            f"{f'{r.eval_reward:.3f}' if r.eval_reward is not None else '-':>6}"
+        )
         if r.message:
             lines.append(f"  ended early: {r.message}")
     pairs: dict[tuple[str, int], dict[bool, Result]] = {}
@@ -115,8 +145,10 @@ def table(results: list[Result]) -> str:
     for (run, seed), pair in pairs.items():
         if len(pair) == 2:
             off, on = pair[False], pair[True]
-            lines.append(f"ratio {run} seed {seed}: generated per used off/on {off.generated_per_used / on.generated_per_used:.2f}x, "
-                         f"wall off/on {off.wall_s / on.wall_s:.2f}x, last-20 reward {off.last_reward:.3f} -> {on.last_reward:.3f}")
+            lines.append(
+                f"ratio {run} seed {seed}: generated per used off/on {off.generated_per_used / on.generated_per_used:.2f}x, "
+                f"wall off/on {off.wall_s / on.wall_s:.2f}x, last-20 reward {off.last_reward:.3f} -> {on.last_reward:.3f}"
+            )
     return "\n".join(lines)
 
 
@@ -132,16 +164,21 @@ def main() -> None:
     if "polarising" in args.runs:
         for i, seed in enumerate(args.seeds):
             order = (False, True) if i % 2 == 0 else (True, False)
-            plan += [("polarising", seed, skipping, [*POLARISING, f"trainer.steps={args.polarising_steps}"])
-                     for skipping in order]
+            plan += [
+                ("polarising", seed, skipping, [*POLARISING, f"trainer.steps={args.polarising_steps}"])
+                for skipping in order
+            ]
     if "default" in args.runs:
         plan += [("default", 0, skipping, [f"trainer.steps={args.default_steps}"]) for skipping in (False, True)]
     results = []
     for run, seed, skipping, overrides in plan:
         results.append(train(run, seed, skipping, [*overrides, *args.overrides]))
         r = results[-1]
-        print(f"done: {run} seed {seed} skipping {'on' if skipping else 'off'}: gen/used {r.generated_per_used:.2f}, "
-              f"{r.wall_s:.0f} s, last-20 reward {r.last_reward:.3f}", flush=True)
+        print(
+            f"done: {run} seed {seed} skipping {'on' if skipping else 'off'}: gen/used {r.generated_per_used:.2f}, "
+            f"{r.wall_s:.0f} s, last-20 reward {r.last_reward:.3f}",
+            flush=True,
+        )
     print(table(results))
 
 

@@ -40,8 +40,15 @@ class HFStep:
         logits = self.model(batch.input_ids).logits.float()
         logp = torch.log_softmax(logits[:, :-1], -1).gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1)
         logp = torch.nn.functional.pad(logp, (1, 0))
-        loss, _ = policy_loss(logp, batch.old_logprobs, batch.advantages, batch.response_mask,
-                              kind=algo.kind, clip_low=algo.clip_low, clip_high=algo.clip_high)
+        loss, _ = policy_loss(
+            logp,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.response_mask,
+            kind=algo.kind,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+        )
         loss.backward()
         torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
         self.optimizer.step()
@@ -50,8 +57,9 @@ class HFStep:
 
 def main() -> None:
     args = step_benchmark_args(__doc__)
-    cfg = load_config(None, [f"trainer.micro_batch_size={args.batch}", "trainer.distributed_optimizer=false",
-                             "algo.tis_cap=null"])
+    cfg = load_config(
+        None, [f"trainer.micro_batch_size={args.batch}", "trainer.distributed_optimizer=false", "algo.tis_cap=null"]
+    )
     hf_dir = build_tiny_hf_model(TinyModel(), tempfile.mkdtemp(), vocab_size=128)
     init_parallel(cfg.parallel, Rendezvous(rank=0, world_size=1, master_port=free_port()))
     ours = Learner(cfg, hf_dir)
@@ -60,20 +68,24 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (args.batch, args.length), generator=gen)
     mask = torch.zeros(args.batch, args.length)
-    mask[:, args.length // 4:] = 1
+    mask[:, args.length // 4 :] = 1
     batch = TrainBatch(ids, mask, advantages=torch.randn(args.batch, generator=gen))
     batch.old_logprobs = ours.compute_logprobs(batch)
 
     timings: dict[str, list[float]] = {"megatron-rlvr": [], "hf-transformers": []}
     for step in range(args.steps + 3):
-        for name, run in (("megatron-rlvr", lambda: ours.train_step(batch)),
-                          ("hf-transformers", lambda: theirs(batch, cfg.algo))):
+        for name, run in (
+            ("megatron-rlvr", lambda: ours.train_step(batch)),
+            ("hf-transformers", lambda: theirs(batch, cfg.algo)),
+        ):
             start = time.perf_counter()
             run()
             if step >= 3:  # the first steps compile and allocate
                 timings[name].append(time.perf_counter() - start)
-    print(f"tiny Qwen3-MoE (2 layers, hidden 64, 4 experts top-2), batch {args.batch}×{args.length}, "
-          f"{args.steps} steps, world 1, 1 thread, median step time")
+    print(
+        f"tiny Qwen3-MoE (2 layers, hidden 64, 4 experts top-2), batch {args.batch}×{args.length}, "
+        f"{args.steps} steps, world 1, 1 thread, median step time"
+    )
     print(f"{'trainer':<18} {'step ms':>9}")
     medians = {name: statistics.median(t) for name, t in timings.items()}
     for name, value in medians.items():

@@ -67,10 +67,15 @@ def measure(kind: str, batch: int, length: int, vocab: int) -> dict:
     ((lp * weights[0]).sum() + (h * weights[1]).sum()).backward()
     seconds = time.perf_counter() - started
     peak = rss_mib("VmHWM")
-    return {"kind": kind, "peak_above_logits_mib": round(peak - base, 1), "seconds": round(seconds, 2),
-            "logits_mib": round(logits.numel() * 2 / 2**20, 1),
-            "lp": lp.detach().double().sum().item(), "h": h.detach().double().sum().item(),
-            "grad": logits.grad.double().abs().sum().item()}
+    return {
+        "kind": kind,
+        "peak_above_logits_mib": round(peak - base, 1),
+        "seconds": round(seconds, 2),
+        "logits_mib": round(logits.numel() * 2 / 2**20, 1),
+        "lp": lp.detach().double().sum().item(),
+        "h": h.detach().double().sum().item(),
+        "grad": logits.grad.double().abs().sum().item(),
+    }
 
 
 def main() -> None:
@@ -85,16 +90,32 @@ def main() -> None:
         return
     results = {}
     for kind in ("plain", "chunked"):
-        done = subprocess.run([sys.executable, __file__, "--child", kind, "--batch", str(args.batch),
-                               "--length", str(args.length), "--vocab", str(args.vocab)],
-                              capture_output=True, text=True, check=True)
+        done = subprocess.run(
+            [
+                sys.executable,
+                __file__,
+                "--child",
+                kind,
+                "--batch",
+                str(args.batch),
+                "--length",
+                str(args.length),
+                "--vocab",
+                str(args.vocab),
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         results[kind] = json.loads(done.stdout.strip().splitlines()[-1])
     plain_peak, chunked_peak = (results[k]["peak_above_logits_mib"] for k in ("plain", "chunked"))
     print(json.dumps(results, indent=1))
-    print(f"B={args.batch} T={args.length} V={args.vocab} bf16 logits {results['plain']['logits_mib']} MiB: "
-          f"peak above the logits {plain_peak} MiB plain, {chunked_peak} MiB chunked "
-          f"({plain_peak / max(chunked_peak, 1e-9):.1f}x less); forward+backward "
-          f"{results['plain']['seconds']} s plain, {results['chunked']['seconds']} s chunked")
+    print(
+        f"B={args.batch} T={args.length} V={args.vocab} bf16 logits {results['plain']['logits_mib']} MiB: "
+        f"peak above the logits {plain_peak} MiB plain, {chunked_peak} MiB chunked "
+        f"({plain_peak / max(chunked_peak, 1e-9):.1f}x less); forward+backward "
+        f"{results['plain']['seconds']} s plain, {results['chunked']['seconds']} s chunked"
+    )
 
 
 if __name__ == "__main__":

@@ -25,7 +25,6 @@ from megatron_rlvr.tiny_model import build_tiny_hf_model
 MODES = ("none", "r2", "r3")
 
 
-
 def engine_routing(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
     """Routing as an engine would report it: HF transformers' top-k, [B, T, layers, k]."""
     from transformers import AutoModelForCausalLM
@@ -42,15 +41,15 @@ def main() -> None:
     hf_dir = build_tiny_hf_model(TinyModel(), tempfile.mkdtemp(), vocab_size=128)
     base = [f"trainer.micro_batch_size={args.batch // 2}", "trainer.distributed_optimizer=false"]
     init_parallel(load_config(None, base).parallel, Rendezvous(0, 1, master_port=free_port()))
-    learners = {mode: Learner(load_config(None, [*base, f"algo.routing_replay={mode}"]), hf_dir)
-                for mode in MODES}
+    learners = {mode: Learner(load_config(None, [*base, f"algo.routing_replay={mode}"]), hf_dir) for mode in MODES}
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128, (args.batch, args.length), generator=gen)
     mask = torch.zeros(args.batch, args.length)
     mask[:, args.length // 4 : -1] = 1
-    batch = TrainBatch(ids, mask, advantages=torch.randn(args.batch, generator=gen),
-                       routed_experts=engine_routing(str(hf_dir), ids))
+    batch = TrainBatch(
+        ids, mask, advantages=torch.randn(args.batch, generator=gen), routed_experts=engine_routing(str(hf_dir), ids)
+    )
 
     def rl_step(learner: Learner) -> None:
         batch.old_logprobs = learner.compute_logprobs(batch)
@@ -64,8 +63,10 @@ def main() -> None:
             if step >= 3:
                 timings[mode].append(time.perf_counter() - start)
     medians = {mode: statistics.median(t) for mode, t in timings.items()}
-    print(f"tiny Qwen3-MoE (2 MoE layers, 4 experts top-2), batch {args.batch}×{args.length}, "
-          f"2 micro-batches, {args.steps} steps, world 1; old-logprob pass + train step")
+    print(
+        f"tiny Qwen3-MoE (2 MoE layers, 4 experts top-2), batch {args.batch}×{args.length}, "
+        f"2 micro-batches, {args.steps} steps, world 1; old-logprob pass + train step"
+    )
     print(f"{'replay':<8} {'step ms':>9} {'vs none':>8}")
     for mode in MODES:
         print(f"{mode:<8} {medians[mode] * 1000:>9.1f} {medians[mode] / medians['none']:>8.3f}")

@@ -71,8 +71,10 @@ def summary(name: str, cases: list[dict], rewards: list[float], seconds: list[fl
     false_neg = sum(r == 0.0 and c["label"] == 1 for r, c in zip(rewards, cases))
     ms = sorted(s * 1000 for s in seconds)
     p99 = ms[min(n - 1, int(0.99 * n))]
-    return (f"{name:<12} {right / n:>8.1%} {false_pos:>9} {false_neg:>9} {statistics.median(ms):>10.2f} "
-            f"{p99:>9.1f} {ms[-1]:>9.0f} {pairs_per_s:>9.1f}")
+    return (
+        f"{name:<12} {right / n:>8.1%} {false_pos:>9} {false_neg:>9} {statistics.median(ms):>10.2f} "
+        f"{p99:>9.1f} {ms[-1]:>9.0f} {pairs_per_s:>9.1f}"
+    )
 
 
 def by_tag(cases: list[dict], results: dict[str, list[float]]) -> None:
@@ -98,10 +100,14 @@ def main() -> None:
         reference = math_verify_scorer()
     except ImportError:
         reference = None
-        print("math-verify is not installed (bash scripts/setup.sh installs it with the dev extra): "
-              "showing ours only", file=sys.stderr)
-    print(f"{len(cases)} labelled pairs ({sum(c['label'] for c in cases)} right answers) from "
-          f"{', '.join(p.name for p in args.cases)}; {args.workers} sandbox workers")
+        print(
+            "math-verify is not installed (bash scripts/setup.sh installs it with the dev extra): showing ours only",
+            file=sys.stderr,
+        )
+    print(
+        f"{len(cases)} labelled pairs ({sum(c['label'] for c in cases)} right answers) from "
+        f"{', '.join(p.name for p in args.cases)}; {args.workers} sandbox workers"
+    )
     with MathVerifier(timeout_s=args.timeout_s, num_workers=args.workers) as verifier:
         verifier.verify_batch(["\\boxed{x^2}"] * 4, ["x*x"] * 4)  # start the workers outside the clock
         batch_seconds = []
@@ -113,8 +119,10 @@ def main() -> None:
     if ours != batch:
         print("note: batch and one-at-a-time verdicts differ (a timeout near the limit)", file=sys.stderr)
     ours_rate = len(cases) / statistics.median(batch_seconds)
-    header = (f"{'verifier':<12} {'accuracy':>8} {'false pos':>9} {'false neg':>9} {'median ms':>10} "
-              f"{'p99 ms':>9} {'max ms':>9} {'pairs/s':>9}")
+    header = (
+        f"{'verifier':<12} {'accuracy':>8} {'false pos':>9} {'false neg':>9} {'median ms':>10} "
+        f"{'p99 ms':>9} {'max ms':>9} {'pairs/s':>9}"
+    )
     rows = [summary("ours", cases, ours, ours_seconds, ours_rate)]
     results = {"ours": ours}
     if reference is not None:

@@ -33,7 +33,9 @@ from megatron_rlvr.weight_sync.transport import broadcast, open_group
 BUCKET_MB = (16, 32, 64, 128, 256, 512, 1024)
 
 
-def moe_parameters(layers: int = 16, experts: int = 32, hidden: int = 512, ffn: int = 160) -> list[tuple[str, torch.Tensor]]:
+def moe_parameters(
+    layers: int = 16, experts: int = 32, hidden: int = 512, ffn: int = 160
+) -> list[tuple[str, torch.Tensor]]:
     """~1,650 bf16 tensors, ~280 MB: attention per layer plus gate/up/down per expert."""
     gen = torch.Generator().manual_seed(0)
     params = [("model.embed_tokens.weight", torch.randn(8192, hidden, generator=gen))]
@@ -73,11 +75,24 @@ def receiver(rank: int, world: int, port: int, repeats: int) -> None:
     bucket_plans = {mb: plan(params, mb) for mb in BUCKET_MB}
     for bucket_mb in BUCKET_MB:
         for _ in range(repeats):
-            phase(group, lambda mb=bucket_mb: [model[name].copy_(view) for names, dtype, shapes in bucket_plans[mb]
-                                  for name, view in zip(names, receive_bucket(group, [dtype] * len(names), shapes, None))])
+            phase(
+                group,
+                lambda mb=bucket_mb: [
+                    model[name].copy_(view)
+                    for names, dtype, shapes in bucket_plans[mb]
+                    for name, view in zip(names, receive_bucket(group, [dtype] * len(names), shapes, None))
+                ],
+            )
             phase(group, lambda: broadcast(group, torch.empty(total, dtype=torch.uint8)))
-            phase(group, lambda: [model[name].copy_(tensor) for (name, _), tensor in zip(params, receive_tensors(
-                group, [t.dtype for _, t in params], [list(t.shape) for _, t in params]))])
+            phase(
+                group,
+                lambda: [
+                    model[name].copy_(tensor)
+                    for (name, _), tensor in zip(
+                        params, receive_tensors(group, [t.dtype for _, t in params], [list(t.shape) for _, t in params])
+                    )
+                ],
+            )
 
 
 def phase(group, work) -> float:
@@ -114,12 +129,18 @@ def main() -> None:
         rows.append((bucket_mb, *(statistics.median(times[k]) for k in ("flattened", "single", "per_tensor"))))
     for proc in procs:
         proc.join()
-    print(f"{len(params)} tensors, {total / 2**20:.0f} MiB bf16, 1 learner → {args.engines} engine processes, "
-          f"gloo on loopback, median of {args.repeats}")
-    print(f"{'bucket MiB':>10} {'(a) flat s':>11} {'(b) wire s':>11} {'(c) per-tensor s':>17} {'(b)/(a)':>8} {'(c)/(a)':>8}")
+    print(
+        f"{len(params)} tensors, {total / 2**20:.0f} MiB bf16, 1 learner → {args.engines} engine processes, "
+        f"gloo on loopback, median of {args.repeats}"
+    )
+    print(
+        f"{'bucket MiB':>10} {'(a) flat s':>11} {'(b) wire s':>11} {'(c) per-tensor s':>17} {'(b)/(a)':>8} {'(c)/(a)':>8}"
+    )
     for bucket_mb, flat, single, per_tensor in rows:
-        print(f"{bucket_mb:>10} {flat:>11.3f} {single:>11.3f} {per_tensor:>17.3f} {single / flat:>8.2f} "
-              f"{per_tensor / flat:>8.2f}")
+        print(
+            f"{bucket_mb:>10} {flat:>11.3f} {single:>11.3f} {per_tensor:>17.3f} {single / flat:>8.2f} "
+            f"{per_tensor / flat:>8.2f}"
+        )
     best = min(rows, key=lambda r: r[1])
     print(f"best bucket size {best[0]} MiB: (c)/(a) = {best[3] / best[1]:.2f}")
     print(f"ratio: {best[2] / best[1]:.2f}")

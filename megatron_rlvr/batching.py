@@ -13,9 +13,15 @@ from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, pack_routed
 from megatron_rlvr.samples import Group
 
 
-def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0,
-                    routing: tuple[int, int] | None = None, slots: int = 1,
-                    micro_batch_size: int | None = None) -> TrainBatch:
+def groups_to_batch(
+    groups: list[Group],
+    *,
+    normalize_std: bool,
+    pad_id: int = 0,
+    routing: tuple[int, int] | None = None,
+    slots: int = 1,
+    micro_batch_size: int | None = None,
+) -> TrainBatch:
     """routing: (num_layers, top_k) to carry the engine's routed experts (R3). slots: the
     learner's mini-batches × data-parallel ranks, each a contiguous run of rows: a batch that
     does not fill them evenly (a short batch at the generation bound) is laid out by
@@ -31,11 +37,14 @@ def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0
         ids[row, :end] = torch.tensor(tokens)
         mask[row, start:end] = 1
         rollout[row, start:end] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    advantages = torch.cat([
-        group_advantages(torch.tensor([[s.reward for s in g.samples]], dtype=torch.float32),
-                         normalize_std=normalize_std)[0]
-        for g in groups
-    ])
+    advantages = torch.cat(
+        [
+            group_advantages(
+                torch.tensor([[s.reward for s in g.samples]], dtype=torch.float32), normalize_std=normalize_std
+            )[0]
+            for g in groups
+        ]
+    )
     batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout)
     if routing is not None:
         layers, top_k = routing
@@ -43,8 +52,13 @@ def groups_to_batch(groups: list[Group], *, normalize_std: bool, pad_id: int = 0
         if missing:
             raise RoutedExpertsError(f"sample {missing[0]}: the engine returned no routed_experts")
         batch.routed_experts = pack_routed_experts(
-            [s.routed_experts for s in samples if s.routed_experts is not None], [len(s.prompt_ids) + len(s.response_ids) for s in samples],
-            width, num_layers=layers, top_k=top_k, sample_ids=[f"{s.group_id}/{s.index}" for s in samples])
+            [s.routed_experts for s in samples if s.routed_experts is not None],
+            [len(s.prompt_ids) + len(s.response_ids) for s in samples],
+            width,
+            num_layers=layers,
+            top_k=top_k,
+            sample_ids=[f"{s.group_id}/{s.index}" for s in samples],
+        )
     return spread_over_slots(batch, slots, micro_batch_size)
 
 

@@ -28,9 +28,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("config", help="YAML config, e.g. configs/tiny-moe-cpu.yaml")
     train.add_argument("overrides", nargs="*", help="dotted overrides: algo.kind=gspo")
     train.set_defaults(takes_overrides=True)
-    train.add_argument(
-        "--dry-run", action="store_true", help="print the resolved config as YAML and exit"
-    )
+    train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
     compare_replay.add_parser(sub)
@@ -82,8 +80,10 @@ def train_exit_code(outcome: Outcome) -> int:
     if outcome.message:
         print(f"megatron-rlvr train: {outcome.message}", file=sys.stderr)
     if outcome.teardown_failures:
-        print(f"megatron-rlvr train: finished, but stopping failed for: {', '.join(outcome.teardown_failures)}",
-              file=sys.stderr)
+        print(
+            f"megatron-rlvr train: finished, but stopping failed for: {', '.join(outcome.teardown_failures)}",
+            file=sys.stderr,
+        )
         return 1
     return 0
 

@@ -39,16 +39,27 @@ class EvalSet:
 
 
 class Evaluator:
-    def __init__(self, cfg: ResolvedConfig, sets: list[EvalSet], manager: RolloutManager,
-                 score: Callable[..., Awaitable[list[float]]], decode: Callable[[list[int]], str],
-                 stop_token_ids: list[int] | None, max_in_flight: int = 64):
+    def __init__(
+        self,
+        cfg: ResolvedConfig,
+        sets: list[EvalSet],
+        manager: RolloutManager,
+        score: Callable[..., Awaitable[list[float]]],
+        decode: Callable[[list[int]], str],
+        stop_token_ids: list[int] | None,
+        max_in_flight: int = 64,
+    ):
         """score(responses, record, count=False) → rewards: the run's verifier pool."""
         e = cfg.eval
         self.cfg, self.sets, self.manager, self.score, self.decode = e, sets, manager, score, decode
         self.last_step, self.seeded, self.max_in_flight = cfg.trainer.steps, cfg.rollout.seeded_sampling, max_in_flight
-        self.sampling = p.SamplingParams(max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
-                                         temperature=e.temperature, top_p=e.top_p, n=e.n_samples,
-                                         stop_token_ids=stop_token_ids)
+        self.sampling = p.SamplingParams(
+            max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
+            temperature=e.temperature,
+            top_p=e.top_p,
+            n=e.n_samples,
+            stop_token_ids=stop_token_ids,
+        )
         self.ks = sorted(set(e.pass_k or [1, e.n_samples]) | {1})
         # a group that finishes neither way within this bound means the engines are stuck
         self.wait_s = cfg.rollout.request_timeout_s * (manager.max_attempts + 1) + 60
@@ -86,22 +97,28 @@ class Evaluator:
 
         async def score(index: int, record: PromptRecord, group) -> None:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
-            results[index] = (rewards, [len(s.response_ids) for s in group.samples],
-                              [s.finish_reason == "length" for s in group.samples])
+            results[index] = (
+                rewards,
+                [len(s.response_ids) for s in group.samples],
+                [s.finish_reason == "length" for s in group.samples],
+            )
 
         next_index = 0
         while next_index < len(records) or submitted:
             while next_index < len(records) and len(submitted) < self.max_in_flight:
                 record = records[next_index]
-                item = PromptItem(record.prompt_id, eval_set.prompts.encode(record),
-                                  seed=self._seed(eval_set.name, record.prompt_id))
+                item = PromptItem(
+                    record.prompt_id, eval_set.prompts.encode(record), seed=self._seed(eval_set.name, record.prompt_id)
+                )
                 submitted[self.manager.submit(item, sampling=self.sampling, to=queue)] = next_index
                 next_index += 1
             try:
                 group = await asyncio.wait_for(queue.get(), self.wait_s)
             except TimeoutError:
-                raise TimeoutError(f"evaluation of eval.sets.{eval_set.name}: no group came back from the engines "
-                                   f"in {self.wait_s:.0f} s ({len(submitted)} in flight)") from None
+                raise TimeoutError(
+                    f"evaluation of eval.sets.{eval_set.name}: no group came back from the engines "
+                    f"in {self.wait_s:.0f} s ({len(submitted)} in flight)"
+                ) from None
             index = submitted.pop(group.group_id)
             if group.error is not None or group.aborted or not group.samples:
                 failed += 1
@@ -127,11 +144,20 @@ class Evaluator:
         return out
 
 
-def build_evaluator(cfg: ResolvedConfig, renderer, manager: RolloutManager, score, decode,
-                    stop_token_ids: list[int] | None, loaded: dict) -> Evaluator | None:
+def build_evaluator(
+    cfg: ResolvedConfig,
+    renderer,
+    manager: RolloutManager,
+    score,
+    decode,
+    stop_token_ids: list[int] | None,
+    loaded: dict,
+) -> Evaluator | None:
     """The run's evaluator, or None without eval sets. loaded: dotted name → LoadedPrompts."""
     if not cfg.eval.sets:
         return None
-    sets = [EvalSet(name, renderer.encode(loaded[f"eval.sets.{name}"].records, what=f"eval.sets.{name}"))
-            for name in cfg.eval.sets]
+    sets = [
+        EvalSet(name, renderer.encode(loaded[f"eval.sets.{name}"].records, what=f"eval.sets.{name}"))
+        for name in cfg.eval.sets
+    ]
     return Evaluator(cfg, sets, manager, score, decode, stop_token_ids)

@@ -79,16 +79,20 @@ def _deepseek_v3_settings(hf) -> dict:
     rope_type = rope.get("rope_type", "default")
     if rope_type == "yarn":
         settings.update(
-            rope_type="yarn", rotary_scaling_factor=rope["factor"],
+            rope_type="yarn",
+            rotary_scaling_factor=rope["factor"],
             original_max_position_embeddings=rope["original_max_position_embeddings"],
-            beta_fast=rope.get("beta_fast", 32), beta_slow=rope.get("beta_slow", 1),
-            mscale=rope.get("mscale", 1.0), mscale_all_dim=rope.get("mscale_all_dim", 0.0),
+            beta_fast=rope.get("beta_fast", 32),
+            beta_slow=rope.get("beta_slow", 1),
+            mscale=rope.get("mscale", 1.0),
+            mscale_all_dim=rope.get("mscale_all_dim", 0.0),
         )
     elif rope_type == "default":
         settings["rope_type"] = "rope"
     else:
-        raise UnsupportedArchitecture(f"rope_type {rope_type!r} of a deepseek_v3 model is not supported "
-                                      "(supported: default, yarn)")
+        raise UnsupportedArchitecture(
+            f"rope_type {rope_type!r} of a deepseek_v3 model is not supported (supported: default, yarn)"
+        )
     return settings
 
 
@@ -142,8 +146,7 @@ def family_name(model_type: Any) -> str | None:
 
 
 def unsupported_message(model_type: Any, where: str) -> str:
-    return (f"model_type {model_type!r} in {where} is not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    return f"model_type {model_type!r} in {where} is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
 
 
 def num_experts(config: dict) -> int | None:

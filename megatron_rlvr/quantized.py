@@ -48,12 +48,14 @@ def quantization_config(hf_dir: str | Path) -> dict | None:
     if method not in METHODS:
         raise UnsupportedQuantization(
             f"{hf_dir}: quantization_config.quant_method {method!r} is not supported "
-            f"(supported: {', '.join(METHODS)}; or a checkpoint without quantization_config)")
+            f"(supported: {', '.join(METHODS)}; or a checkpoint without quantization_config)"
+        )
     return quant
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
-                          block: tuple[int, int] = (128, 128)) -> torch.Tensor:
+def dequantize_fp8_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int] = (128, 128)
+) -> torch.Tensor:
     """float32 weight from an fp8 [..., rows, cols] tensor and its per-block scales
     [..., ceil(rows/b0), ceil(cols/b1)]; edge blocks may be partial."""
     rows, cols = weight.shape[-2:]
@@ -61,7 +63,8 @@ def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor,
     if tuple(scale_inv.shape[-2:]) != grid:
         raise UnsupportedQuantization(
             f"fp8 weight of shape {tuple(weight.shape)} needs a {grid[0]}×{grid[1]} scale grid for "
-            f"{block[0]}×{block[1]} blocks, the checkpoint has {tuple(scale_inv.shape)}")
+            f"{block[0]}×{block[1]} blocks, the checkpoint has {tuple(scale_inv.shape)}"
+        )
     scale = scale_inv.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
     return weight.float() * scale[..., :rows, :cols]
 
@@ -72,7 +75,8 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.shape[:-1] != scales.shape:
         raise UnsupportedQuantization(
             f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
-            f"{scales.dtype} are not uint8 [..., groups, 16] and [..., groups]")
+            f"{scales.dtype} are not uint8 [..., groups, 16] and [..., groups]"
+        )
     table = torch.tensor(FP4_E2M1, dtype=torch.float32)
     values = torch.stack([table[(blocks & 0x0F).long()], table[(blocks >> 4).long()]], dim=-1)
     values = values.flatten(-2) * torch.exp2(scales.float() - 127).unsqueeze(-1)  # [..., G, 32]

@@ -25,8 +25,10 @@ def wandb_module(check_only: bool = False):
     import importlib.util
 
     if importlib.util.find_spec("wandb") is None:
-        raise WandbMissing("logging.wandb is set but the wandb package is not installed: "
-                           "pip install -c constraints.txt -e '.[wandb]' (or set logging.wandb=null)")
+        raise WandbMissing(
+            "logging.wandb is set but the wandb package is not installed: "
+            "pip install -c constraints.txt -e '.[wandb]' (or set logging.wandb=null)"
+        )
     if check_only:
         return None
     import wandb
@@ -35,8 +37,17 @@ def wandb_module(check_only: bool = False):
 
 
 class RunReport:
-    def __init__(self, output_dir: str | Path, total_steps: int, *, first_step: int = 1,
-                 tensorboard: bool = True, wandb=None, config: dict | None = None, once: dict | None = None):
+    def __init__(
+        self,
+        output_dir: str | Path,
+        total_steps: int,
+        *,
+        first_step: int = 1,
+        tensorboard: bool = True,
+        wandb=None,
+        config: dict | None = None,
+        once: dict | None = None,
+    ):
         """first_step > 1 continues a resumed run: lines of later steps (logged after the
         checkpoint it resumes from) are dropped, so every step appears once. TensorBoard's
         events are written anew from the lines kept: metrics.jsonl is the record, and event
@@ -62,14 +73,27 @@ class RunReport:
             for line in kept:
                 self._to_tensorboard(json.loads(line))
         self.wandb = _start_wandb(wandb, self.dir, config or {}) if wandb is not None else None
-        self.bar = tqdm(total=total_steps, initial=first_step - 1, unit="step", file=sys.stderr,
-                        dynamic_ncols=True, desc="train", mininterval=0)
+        self.bar = tqdm(
+            total=total_steps,
+            initial=first_step - 1,
+            unit="step",
+            file=sys.stderr,
+            dynamic_ncols=True,
+            desc="train",
+            mininterval=0,
+        )
 
     @classmethod
     def for_run(cls, cfg, *, first_step: int, once: dict | None = None) -> RunReport:
-        return cls(cfg.trainer.output_dir, cfg.trainer.steps, first_step=first_step,
-                   tensorboard=cfg.logging.tensorboard, wandb=cfg.logging.wandb,
-                   config=cfg.model_dump(mode="json"), once=once)
+        return cls(
+            cfg.trainer.output_dir,
+            cfg.trainer.steps,
+            first_step=first_step,
+            tensorboard=cfg.logging.tensorboard,
+            wandb=cfg.logging.wandb,
+            config=cfg.model_dump(mode="json"),
+            once=once,
+        )
 
     def _to_tensorboard(self, metrics: dict) -> None:
         assert self.tb is not None  # called only with TensorBoard on
@@ -85,8 +109,9 @@ class RunReport:
         if self.tb is not None:
             self._to_tensorboard(metrics)
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"},
-                           step=metrics["step"])
+            self.wandb.log(
+                {k: v for k, v in metrics.items() if isinstance(v, (int, float)) and k != "step"}, step=metrics["step"]
+            )
         evals = _eval_summary(metrics)
         if evals:
             self.bar.write(f"eval at step {metrics['step']}: {evals}", file=sys.stderr)
@@ -105,8 +130,9 @@ class RunReport:
         shown = {"reward": "-" if reward is None else f"{reward:.3f}"}
         if self.eval_shown:
             shown["eval"] = self.eval_shown
-        self.bar.set_postfix(**shown, tok_s=f"{tokens_per_s:.0f}",
-                             loss=f"{metrics.get('train/policy_loss', 0.0):+.4f}", refresh=False)
+        self.bar.set_postfix(
+            **shown, tok_s=f"{tokens_per_s:.0f}", loss=f"{metrics.get('train/policy_loss', 0.0):+.4f}", refresh=False
+        )
         self.bar.update(1)
 
     def close(self) -> Path | None:
@@ -122,9 +148,19 @@ def _start_wandb(spec, out_dir: Path, config: dict):
     wandb = wandb_module()
     id_path = out_dir / WANDB_ID
     run_id = id_path.read_text().strip() if id_path.exists() else secrets.token_hex(4)
-    run = wandb.init(project=spec.project, entity=spec.entity, name=spec.name or out_dir.resolve().name,
-                     group=spec.group, tags=spec.tags or None, mode=spec.mode, dir=str(out_dir), config=config,
-                     id=run_id, resume="allow", settings=wandb.Settings(console="off", silent=True))
+    run = wandb.init(
+        project=spec.project,
+        entity=spec.entity,
+        name=spec.name or out_dir.resolve().name,
+        group=spec.group,
+        tags=spec.tags or None,
+        mode=spec.mode,
+        dir=str(out_dir),
+        config=config,
+        id=run_id,
+        resume="allow",
+        settings=wandb.Settings(console="off", silent=True),
+    )
     id_path.write_text(run_id)
     return run
 

@@ -76,6 +76,7 @@ class LoopThread:
 
     def cancel_all(self, timeout_s: float = 30.0) -> None:
         """Cancels every task on the loop (a batch being filled, groups in flight, restarts)."""
+
         async def cancel() -> None:
             tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
             for task in tasks:
@@ -145,8 +146,7 @@ class Run:
     def request_batch(self, policy_version: int) -> None:
         """Starts generating the next batch of useful groups on the rollout thread. Synchronous
         runs drain what is in flight, so no group straddles a weight update."""
-        fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version,
-                                 drain=not self.cfg.buffer.async_rollout)
+        fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version, drain=not self.cfg.buffer.async_rollout)
         self.pending = self.rollout.submit(fill)
 
     def evaluate(self, step: int) -> dict:
@@ -160,22 +160,29 @@ class Run:
         restarted since the last sync get them too and take work again."""
         self.stop.result(self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health")
         metrics = self.learners.sync_weights(self.version)
-        self.stop.result(self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin",
-                         urgent_only=True)
+        self.stop.result(
+            self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin", urgent_only=True
+        )
         return metrics
 
     def finish_step(self, step: int, *, save: bool) -> None:
         """Records the rollout side as it is at the end of `step` (what a checkpoint of this
         step holds, even if written later, after a stop request) and saves if asked."""
+
         async def rollout_state() -> dict:
             # an async run's next batch, if already drawn from the buffer, is part of the
             # state: a resumed run trains on it rather than counting a second one as used
             pending = self.pending
             ready = pending is not None and pending.done() and pending.exception() is None
-            return {"step": step, "version": self.version, "sampler": self.sampler.state(),
-                    "buffer": await self.buffer.state(), "manager": dict(self.manager.stats),
-                    "trained_groups": self.trained_groups,
-                    "next_batch": pending.result() if pending is not None and ready else None}
+            return {
+                "step": step,
+                "version": self.version,
+                "sampler": self.sampler.state(),
+                "buffer": await self.buffer.state(),
+                "manager": dict(self.manager.stats),
+                "trained_groups": self.trained_groups,
+                "next_batch": pending.result() if pending is not None and ready else None,
+            }
 
         self._rollout_snapshot = self.rollout.run(rollout_state())
         self.finished_step = step
@@ -187,8 +194,10 @@ class Run:
         beside it (written whole or not at all: a crash mid-write keeps the previous one)."""
         path = Path(self.cfg.trainer.output_dir) / CHECKPOINT
         self.learners.save(path)
-        for name, data in ((RUN_STATE, pickle.dumps(self._rollout_snapshot)),
-                           (RUN_STEP, json.dumps({"step": self.finished_step}).encode())):
+        for name, data in (
+            (RUN_STATE, pickle.dumps(self._rollout_snapshot)),
+            (RUN_STEP, json.dumps({"step": self.finished_step}).encode()),
+        ):
             partial = path / (name + ".partial")
             partial.write_bytes(data)
             partial.replace(path / name)
@@ -200,8 +209,10 @@ class Run:
             return "no step had finished: nothing to save"
         if self.saved_step < self.finished_step:
             self.save()
-        return (f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / CHECKPOINT} "
-                "(continue with trainer.resume=true)")
+        return (
+            f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / CHECKPOINT} "
+            "(continue with trainer.resume=true)"
+        )
 
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
@@ -213,8 +224,10 @@ class Run:
         state = pickle.loads((path / RUN_STATE).read_bytes())
         step = self.learners.load(path)
         if step != state["step"]:
-            raise RunError(f"checkpoint {path} is incomplete: learner at step {step}, rollout state "
-                           f"at step {state['step']} (delete it or set trainer.resume=false)")
+            raise RunError(
+                f"checkpoint {path} is incomplete: learner at step {step}, rollout state "
+                f"at step {state['step']} (delete it or set trainer.resume=false)"
+            )
 
         async def restore() -> None:
             self.sampler.load_state(state["sampler"])
@@ -308,31 +321,50 @@ def _start(run: Run, placement: Placement) -> None:
     run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop)
     run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
     eos = tokenizer.eos_token_id
-    sampling = p.SamplingParams(max_new_tokens=cfg.rollout.max_new_tokens, temperature=cfg.rollout.temperature,
-                                top_p=cfg.rollout.top_p, n=cfg.rollout.n_samples_per_prompt,
-                                stop_token_ids=[eos] if eos is not None else None)
+    sampling = p.SamplingParams(
+        max_new_tokens=cfg.rollout.max_new_tokens,
+        temperature=cfg.rollout.temperature,
+        top_p=cfg.rollout.top_p,
+        n=cfg.rollout.n_samples_per_prompt,
+        stop_token_ids=[eos] if eos is not None else None,
+    )
     shape = run.routing_shape
     num_experts = read_hf_config(run.model_dir).num_experts
+
     async def restart(engine: int) -> str | None:
         return await asyncio.to_thread(run.engines.restart, engine)
 
-    run.manager = RolloutManager(run.clients, sampling, restart=restart,
-                                 routing=RoutingShape(*shape, num_experts) if shape else None)
-    run.buffer = placement.place(Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps,
-                                 max_staleness=cfg.buffer.max_staleness).proxy()
+    run.manager = RolloutManager(
+        run.clients, sampling, restart=restart, routing=RoutingShape(*shape, num_experts) if shape else None
+    )
+    run.buffer = placement.place(
+        Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps, max_staleness=cfg.buffer.max_staleness
+    ).proxy()
     run.verifiers = VerifierPool(cfg, placement)
     skip = cfg.buffer.skip_prompts
-    history = PromptHistory(enabled=skip.enabled, explore_solved=skip.explore_solved,
-                            explore_unsolved=skip.explore_unsolved, max_skip_probability=skip.max_probability,
-                            seed=cfg.trainer.seed)
+    history = PromptHistory(
+        enabled=skip.enabled,
+        explore_solved=skip.explore_solved,
+        explore_unsolved=skip.explore_unsolved,
+        max_skip_probability=skip.max_probability,
+        seed=cfg.trainer.seed,
+    )
     # the fewest useful groups a short batch may have: one real sample per mini-batch and rank
     min_groups = math.ceil(cfg.algo.num_minibatches * cfg.parallel.dp / cfg.rollout.n_samples_per_prompt)
     decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     run.sampler = ActiveSampler(
-        run.manager, run.buffer, train.records, score=run.verifiers, seed=cfg.trainer.seed,
-        seeded=bool(cfg.rollout.seeded_sampling), history=history,
-        max_groups=cfg.buffer.max_generated_groups_per_step, min_groups=min_groups,
-        encode=train.encode, decode=decode)
+        run.manager,
+        run.buffer,
+        train.records,
+        score=run.verifiers,
+        seed=cfg.trainer.seed,
+        seeded=bool(cfg.rollout.seeded_sampling),
+        history=history,
+        max_groups=cfg.buffer.max_generated_groups_per_step,
+        min_groups=min_groups,
+        encode=train.encode,
+        decode=decode,
+    )
     run.evaluator = build_evaluator(cfg, renderer, run.manager, run.verifiers, decode, sampling.stop_token_ids, loaded)
 
 
@@ -345,8 +377,11 @@ def _prompts(run: Run) -> tuple:
     loaded = load_all(run.cfg, report=False)  # the command's input check reported the skipped rows
     renderer = PromptRenderer(run.tokenizer, run.cfg.data)
     train = renderer.encode(loaded["data"].records)
-    run.data_stats = {"data/prompts": len(train.ids), "data/too_long": train.too_long,
-                      "data/skipped_rows": sum(len(part.skipped) for part in loaded.values())}
+    run.data_stats = {
+        "data/prompts": len(train.ids),
+        "data/too_long": train.too_long,
+        "data/skipped_rows": sum(len(part.skipped) for part in loaded.values()),
+    }
     return loaded, renderer, train
 
 
@@ -368,8 +403,10 @@ def _teardown(run: Run) -> None:
     if run.manager is not None and not urgent:
         attempt("aborting requests in flight", lambda: run.rollout.submit(run.manager.abort_all()).result(timeout=30))
     for client in run.clients:
-        attempt(f"closing the client of {client.base_url}",
-                lambda client=client: run.rollout.submit(client.close()).result(timeout=10))
+        attempt(
+            f"closing the client of {client.base_url}",
+            lambda client=client: run.rollout.submit(client.close()).result(timeout=10),
+        )
     attempt("stopping the rollout thread", run.rollout.close)
     if run.learners is not None:
         attempt("closing the learner ranks", lambda: run.learners.close(graceful=not urgent))

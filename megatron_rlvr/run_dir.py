@@ -62,16 +62,20 @@ def check_output_dir(cfg: ResolvedConfig) -> RunDir:
     trainer.resume the folder is the run to continue. Returns what the folder holds."""
     found = inspect(cfg.trainer.output_dir)
     if found.holds_a_run and not cfg.trainer.resume:
-        raise ConfigError([
-            f"trainer.output_dir = {cfg.trainer.output_dir!r} holds a run ({found.describe()}): continue it "
-            "with trainer.resume=true, or give this run another trainer.output_dir (nothing was changed)"
-        ])
+        raise ConfigError(
+            [
+                f"trainer.output_dir = {cfg.trainer.output_dir!r} holds a run ({found.describe()}): continue it "
+                "with trainer.resume=true, or give this run another trainer.output_dir (nothing was changed)"
+            ]
+        )
     return found
 
 
 def finished_message(cfg: ResolvedConfig, found: RunDir) -> str | None:
     """When resuming a run whose checkpoint already holds every step asked for: what to say."""
     if cfg.trainer.resume and found.checkpoint_step is not None and found.checkpoint_step >= cfg.trainer.steps:
-        return (f"the run in {cfg.trainer.output_dir} already finished: its checkpoint is of step "
-                f"{found.checkpoint_step} and trainer.steps = {cfg.trainer.steps} (raise trainer.steps to train further)")
+        return (
+            f"the run in {cfg.trainer.output_dir} already finished: its checkpoint is of step "
+            f"{found.checkpoint_step} and trainer.steps = {cfg.trainer.steps} (raise trainer.steps to train further)"
+        )
     return None

@@ -94,8 +94,9 @@ class StopSignals:
         """time.sleep that returns early on a stop request."""
         self._event.wait(seconds)
 
-    def wait_until(self, done: Callable[[float], bool], what: str, *, urgent_only: bool = False,
-                   timeout_s: float | None = None) -> None:
+    def wait_until(
+        self, done: Callable[[float], bool], what: str, *, urgent_only: bool = False, timeout_s: float | None = None
+    ) -> None:
         """Polls done(poll_seconds), which may block that long, until it returns True.
 
         Raises StopRequested on a stop request (with urgent_only, only on a second one: for
@@ -112,8 +113,7 @@ class StopSignals:
 
     def result(self, future: concurrent.futures.Future[T], what: str, *, urgent_only: bool = False) -> T:
         """future.result(), waited for in polls so that a stop request is seen."""
-        self.wait_until(lambda t: not concurrent.futures.wait([future], t).not_done, what,
-                        urgent_only=urgent_only)
+        self.wait_until(lambda t: not concurrent.futures.wait([future], t).not_done, what, urgent_only=urgent_only)
         return future.result()
 
 

@@ -10,14 +10,16 @@ import torch
 from megatron_rlvr.config import TinyModel
 
 
-def build_tiny_hf_model(spec: TinyModel, out_dir: str | Path, vocab_size: int,
-                        dtype: torch.dtype = torch.float32, tokenizer=None) -> Path:
+def build_tiny_hf_model(
+    spec: TinyModel, out_dir: str | Path, vocab_size: int, dtype: torch.dtype = torch.float32, tokenizer=None
+) -> Path:
     """Random Qwen3-MoE with `spec`'s shape, saved with save_pretrained into out_dir. With a
     tokenizer, its BOS/EOS ids go into the config, so plain generation stops at EOS. Not the
     pad id: HF would zero that embedding row, and a model that emits pad tokens would then
     put zeros through RMSNorm, whose gradient there is 1/sqrt(eps)."""
-    special = {} if tokenizer is None else {
-        "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    special = (
+        {} if tokenizer is None else {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    )
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     config = Qwen3MoeConfig(

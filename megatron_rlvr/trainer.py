@@ -48,22 +48,29 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 stop.check(f"before step {step}")
                 if overlap and step < steps:
                     run.request_batch(run.version + 1)
-                batch = groups_to_batch(groups, normalize_std=cfg.algo.normalize_std,
-                                        pad_id=run.tokenizer.pad_token_id or 0, routing=run.routing_shape,
-                                        slots=cfg.algo.num_minibatches * cfg.parallel.dp,
-                                        micro_batch_size=cfg.trainer.micro_batch_size)
+                batch = groups_to_batch(
+                    groups,
+                    normalize_std=cfg.algo.normalize_std,
+                    pad_id=run.tokenizer.pad_token_id or 0,
+                    routing=run.routing_shape,
+                    slots=cfg.algo.num_minibatches * cfg.parallel.dp,
+                    micro_batch_size=cfg.trainer.micro_batch_size,
+                )
                 batch.old_logprobs = run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)
                 run.version += 1
                 run.trained_groups += len(groups)
                 sync_metrics = run.sync_weights()
-                metrics = step_metrics(step, run, learner_metrics, sync_metrics, time.perf_counter() - started,
-                                       len(groups))
+                metrics = step_metrics(
+                    step, run, learner_metrics, sync_metrics, time.perf_counter() - started, len(groups)
+                )
                 metrics.update(run.evaluate(step))  # {} unless evaluation is due
                 report.log(metrics)
                 outcome.history.append(metrics)
-                run.finish_step(step, save=step == steps or (cfg.trainer.save_interval > 0
-                                                               and step % cfg.trainer.save_interval == 0))
+                run.finish_step(
+                    step,
+                    save=step == steps or (cfg.trainer.save_interval > 0 and step % cfg.trainer.save_interval == 0),
+                )
                 stop.check(f"after step {step}")
                 if not overlap and step < steps:  # after the metrics and the checkpoint it belongs to
                     run.request_batch(run.version)
@@ -81,9 +88,9 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
 def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, batch_groups: int) -> dict:
     """The step's metrics line. A step trained from the buffer's surplus alone scored no new
     sample: it has no reward/mean (a gap in the curves), and reward/samples says 0."""
+
     async def rollout_side() -> tuple:
-        return (run.sampler.take_rewards(), run.sampler.step_stats(), await run.buffer.stats(),
-                dict(run.manager.stats))
+        return (run.sampler.take_rewards(), run.sampler.step_stats(), await run.buffer.stats(), dict(run.manager.stats))
 
     (rewards, tokens), sampling, buffer, engines = run.rollout.run(rollout_side())
     return {
@@ -98,7 +105,8 @@ def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float,
         **{f"buffer/{k}": v for k, v in buffer.items() if k not in ("kept", "dropped_zero_std")},
         **sampling,
         "rollout/moved_groups": engines.get("moved", 0),
-        "rollout/engines_serving": run.manager.serving, "rollout/engine_kind": run.cfg.rollout.engine.type,
+        "rollout/engines_serving": run.manager.serving,
+        "rollout/engine_kind": run.cfg.rollout.engine.type,
         **run.verifiers.take_metrics(),
         "time/step_s": seconds,
         "policy_version": run.version,

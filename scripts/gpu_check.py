@@ -45,11 +45,20 @@ for name in ("megatron.core", "transformer_engine", "sglang", "transformers"):
         info[name] = f"MISSING ({type(err).__name__}: {err})"
 print(json.dumps(info))
 """
-TRAIN = ["configs/tiny-moe-sglang-cpu.yaml", "parallel.device=cuda", "rollout.engine.device=cuda",
-         "rollout.engine.python=null", "rollout.engine.gpus=[0]", "rollout.engine.mem_fraction_static=0.3",
-         "rollout.engine.dtype=bfloat16", "trainer.dtype=bfloat16", "launch.mode=local",
-         "weight_sync.backend=gloo",  # one GPU cannot hold two NCCL ranks ("Duplicate GPU detected")
-         "algo.routing_replay=r3", "trainer.steps=5"]
+TRAIN = [
+    "configs/tiny-moe-sglang-cpu.yaml",
+    "parallel.device=cuda",
+    "rollout.engine.device=cuda",
+    "rollout.engine.python=null",
+    "rollout.engine.gpus=[0]",
+    "rollout.engine.mem_fraction_static=0.3",
+    "rollout.engine.dtype=bfloat16",
+    "trainer.dtype=bfloat16",
+    "launch.mode=local",
+    "weight_sync.backend=gloo",  # one GPU cannot hold two NCCL ranks ("Duplicate GPU detected")
+    "algo.routing_replay=r3",
+    "trainer.steps=5",
+]
 SGLANG_GPU_TESTS = "tests/test_engine_api.py"
 
 
@@ -68,8 +77,13 @@ class Step:
 
 
 def pytest_step(name: str, what: str, *selection: str, ok_codes: tuple[int, ...] = (0,)) -> Step:
-    return Step(name, what, [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *selection],
-                kind="pytest", ok_codes=ok_codes)
+    return Step(
+        name,
+        what,
+        [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *selection],
+        kind="pytest",
+        ok_codes=ok_codes,
+    )
 
 
 def plan(out: Path) -> list[Step]:
@@ -77,20 +91,53 @@ def plan(out: Path) -> list[Step]:
     return [
         Step("setup", "bash scripts/setup.sh --gpu", ["bash", "scripts/setup.sh", "--gpu"]),
         Step("inventory", "versions and the GPU", [PY, "-c", INVENTORY], kind="inventory"),
-        pytest_step("learner-hf", "world-1 learner on CUDA vs HF logprobs (bf16, TE spec)", "-k", "hf or logprob",
-                    "--ignore", SGLANG_GPU_TESTS),
+        pytest_step(
+            "learner-hf",
+            "world-1 learner on CUDA vs HF logprobs (bf16, TE spec)",
+            "-k",
+            "hf or logprob",
+            "--ignore",
+            SGLANG_GPU_TESTS,
+        ),
         pytest_step("replay", "routing replay R2/R3 on CUDA", "-k", "replay", "--ignore", SGLANG_GPU_TESTS),
-        pytest_step("checkpoint", "a checkpoint made on CPU loaded on GPU", "-k", "checkpoint",
-                    "--ignore", SGLANG_GPU_TESTS),
-        pytest_step("sglang-gpu", "SGLang on the GPU (tp 1): API, weight sync, R3, repeated prompt across a sync",
-                    SGLANG_GPU_TESTS, "-k", "sglang_cuda"),
-        pytest_step("learner-gpu", "every other gpu test (none is fine)", "-k",
-                    "not (hf or logprob or replay or checkpoint)", "--ignore", SGLANG_GPU_TESTS, ok_codes=(0, 5)),
-        Step("train", "megatron-rlvr train: learner + SGLang on GPU 0, R3, bf16, 5 steps",
-             [".venv/bin/megatron-rlvr", "train", *TRAIN, f"trainer.output_dir={train_dir}"], kind="train"),
-        Step("submit", "submit --dry-run of both Qwen3 recipes", ["bash", "-c", " && ".join(
-            f".venv/bin/megatron-rlvr submit configs/{name}.yaml --nodes {nodes} --gpus-per-node 8 --dry-run >/dev/null"
-            for name, nodes in (("qwen3-30b-a3b-grpo-r3", 4), ("qwen3-235b-a22b-gspo", 16)))], gpu=False),
+        pytest_step(
+            "checkpoint", "a checkpoint made on CPU loaded on GPU", "-k", "checkpoint", "--ignore", SGLANG_GPU_TESTS
+        ),
+        pytest_step(
+            "sglang-gpu",
+            "SGLang on the GPU (tp 1): API, weight sync, R3, repeated prompt across a sync",
+            SGLANG_GPU_TESTS,
+            "-k",
+            "sglang_cuda",
+        ),
+        pytest_step(
+            "learner-gpu",
+            "every other gpu test (none is fine)",
+            "-k",
+            "not (hf or logprob or replay or checkpoint)",
+            "--ignore",
+            SGLANG_GPU_TESTS,
+            ok_codes=(0, 5),
+        ),
+        Step(
+            "train",
+            "megatron-rlvr train: learner + SGLang on GPU 0, R3, bf16, 5 steps",
+            [".venv/bin/megatron-rlvr", "train", *TRAIN, f"trainer.output_dir={train_dir}"],
+            kind="train",
+        ),
+        Step(
+            "submit",
+            "submit --dry-run of both Qwen3 recipes",
+            [
+                "bash",
+                "-c",
+                " && ".join(
+                    f".venv/bin/megatron-rlvr submit configs/{name}.yaml --nodes {nodes} --gpus-per-node 8 --dry-run >/dev/null"
+                    for name, nodes in (("qwen3-30b-a3b-grpo-r3", 4), ("qwen3-235b-a22b-gspo", 16))
+                ),
+            ],
+            gpu=False,
+        ),
     ]
 
 
@@ -104,17 +151,38 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
             return {}
         tests = {}
         for case in ElementTree.parse(xml).getroot().iter("testcase"):
-            outcome = "failed" if case.find("failure") is not None or case.find("error") is not None else \
-                "skipped" if case.find("skipped") is not None else "passed"
-            tests[f"{case.get('classname')}::{case.get('name')}"] = {"outcome": outcome, "seconds": float(case.get("time", 0))}
-        return {"tests": tests, "passed": sum(t["outcome"] == "passed" for t in tests.values()),
-                "failed": sum(t["outcome"] == "failed" for t in tests.values())}
+            outcome = (
+                "failed"
+                if case.find("failure") is not None or case.find("error") is not None
+                else "skipped"
+                if case.find("skipped") is not None
+                else "passed"
+            )
+            tests[f"{case.get('classname')}::{case.get('name')}"] = {
+                "outcome": outcome,
+                "seconds": float(case.get("time", 0)),
+            }
+        return {
+            "tests": tests,
+            "passed": sum(t["outcome"] == "passed" for t in tests.values()),
+            "failed": sum(t["outcome"] == "failed" for t in tests.values()),
+        }
     if step.kind == "train":
         path = out / "train-run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        keys = ("step", "reward/mean", "policy_version", "weight_sync/engine_version", "weight_sync/parity_max_gap",
-                "weight_sync/parity_tolerance", "weight_sync/seconds", "train/routing_agreement_engine",
-                "train/routing_agreement_engine_used", "time/step_s", "rollout/engine_kind")
+        keys = (
+            "step",
+            "reward/mean",
+            "policy_version",
+            "weight_sync/engine_version",
+            "weight_sync/parity_max_gap",
+            "weight_sync/parity_tolerance",
+            "weight_sync/seconds",
+            "train/routing_agreement_engine",
+            "train/routing_agreement_engine_used",
+            "time/step_s",
+            "rollout/engine_kind",
+        )
         return {"steps": [{k: row.get(k) for k in keys} for row in rows]}
     return {}
 
@@ -149,11 +217,21 @@ def run_step(step: Step, out: Path, smoke: bool) -> bool:
 
 def write_report(steps: list[Step], out: Path, mode: str, failed: Step | None) -> None:
     verdict = "PASSED" if failed is None else f"FAILED at step {failed.name}"
-    data = {"verdict": verdict, "mode": mode, "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "steps": [asdict(s) for s in steps]}
+    data = {
+        "verdict": verdict,
+        "mode": mode,
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "steps": [asdict(s) for s in steps],
+    }
     (out / "REPORT.json").write_text(json.dumps(data, indent=1))
-    lines = [f"# GPU check: {verdict}", "", f"mode: {mode}; {data['time']}; logs and junit XML beside this file", "",
-             "| step | what | status | s |", "|---|---|---|---|"]
+    lines = [
+        f"# GPU check: {verdict}",
+        "",
+        f"mode: {mode}; {data['time']}; logs and junit XML beside this file",
+        "",
+        "| step | what | status | s |",
+        "|---|---|---|---|",
+    ]
     lines += [f"| {s.name} | {s.what} | {s.status} | {s.seconds} |" for s in steps]
     for s in steps:
         if s.figures:
@@ -189,8 +267,9 @@ def main() -> int:
         print(f"[gpu-check] {step.name}: {step.status} in {step.seconds} s", flush=True)
     write_report(steps, out, mode, failed)
     if failed is not None:
-        print(f"[gpu-check] FAILED at step {failed.name} ({failed.status}); report: {out / 'REPORT.md'}",
-              file=sys.stderr)
+        print(
+            f"[gpu-check] FAILED at step {failed.name} ({failed.status}); report: {out / 'REPORT.md'}", file=sys.stderr
+        )
         return 1
     print(f"[gpu-check] PASSED; report: {out / 'REPORT.md'}")
     return 0

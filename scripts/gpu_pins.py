@@ -69,16 +69,23 @@ def fetch(url: str, accept: str | None = None) -> bytes:
 
 def standin_wheel(version: str, out: Path) -> Path:
     """A wheel of transformer_engine_torch whose METADATA is its PyPI sdist's PKG-INFO."""
-    files = json.loads(fetch(f"{INDEX}/{SDIST_ONLY.replace('_', '-')}/",
-                             "application/vnd.pypi.simple.v1+json"))["files"]
+    files = json.loads(fetch(f"{INDEX}/{SDIST_ONLY.replace('_', '-')}/", "application/vnd.pypi.simple.v1+json"))[
+        "files"
+    ]
     url = next(f["url"] for f in files if f["filename"] == f"{SDIST_ONLY}-{version}.tar.gz")
     with tarfile.open(fileobj=io.BytesIO(fetch(url)), mode="r:gz") as sdist:
         pkg_info = sdist.extractfile(f"{SDIST_ONLY}-{version}/PKG-INFO").read()
     dist_info = f"{SDIST_ONLY}-{version}.dist-info"
     wheel_meta = b"Wheel-Version: 1.0\nGenerator: megatron-rlvr gpu_pins\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
     entries = {f"{dist_info}/METADATA": pkg_info, f"{dist_info}/WHEEL": wheel_meta}
-    record = "".join(f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
-                     f"{len(data)}\n" for name, data in entries.items()) + f"{dist_info}/RECORD,,\n"
+    record = (
+        "".join(
+            f"{name},sha256={base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b'=').decode()},"
+            f"{len(data)}\n"
+            for name, data in entries.items()
+        )
+        + f"{dist_info}/RECORD,,\n"
+    )
     path = out / f"{SDIST_ONLY}-{version}-py3-none-any.whl"
     with zipfile.ZipFile(path, "w") as whl:
         for name, data in {**entries, f"{dist_info}/RECORD": record.encode()}.items():
@@ -90,14 +97,31 @@ def resolve(constraints: Path, work: Path) -> tuple[int, str, dict[str, str]]:
     """(exit code, the resolver's output, {name: version} it would install)."""
     venv = work / "venv"
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    subprocess.run([str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check",
-                    UV], check=True)
+    subprocess.run(
+        [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", UV], check=True
+    )
     links = work / "standins"
     links.mkdir()
     standin_wheel(pinned(constraints).get(normalize(SDIST_ONLY), "2.20.2"), links)
-    done = subprocess.run([str(venv / "bin" / "uv"), "pip", "install", "--dry-run", "--python",
-                           str(venv / "bin" / "python"), "--index-url", INDEX, "--find-links", str(links),
-                           "-c", str(constraints), f"{REPO}[gpu,dev]"], capture_output=True, text=True)
+    done = subprocess.run(
+        [
+            str(venv / "bin" / "uv"),
+            "pip",
+            "install",
+            "--dry-run",
+            "--python",
+            str(venv / "bin" / "python"),
+            "--index-url",
+            INDEX,
+            "--find-links",
+            str(links),
+            "-c",
+            str(constraints),
+            f"{REPO}[gpu,dev]",
+        ],
+        capture_output=True,
+        text=True,
+    )
     out = done.stdout + done.stderr
     chosen = dict(re.findall(r"^ \+ ([A-Za-z0-9_.\-]+)==(\S+)$", out, re.M))
     return done.returncode, out, {normalize(n): v for n, v in chosen.items()}
@@ -128,10 +152,23 @@ def check(constraints: Path) -> int:
     if differ:  # cannot happen under -c, but a report that disagrees with the pins must not pass
         print(f"gpu pins: resolved versions differ from the pins: {differ}", file=sys.stderr)
         return 1
-    key = ("torch", "transformers", "sglang", "transformer-engine", "transformer-engine-torch",
-           "transformer-engine-cu13", "megatron-core", "mbridge", "nvidia-nccl-cu13", "flashinfer-python", "numpy")
-    print(f"gpu pins: consistent: {len(chosen)} packages resolve together "
-          f"in {time.monotonic() - started:.0f} s (metadata only: nothing installed, no wheel downloaded)")
+    key = (
+        "torch",
+        "transformers",
+        "sglang",
+        "transformer-engine",
+        "transformer-engine-torch",
+        "transformer-engine-cu13",
+        "megatron-core",
+        "mbridge",
+        "nvidia-nccl-cu13",
+        "flashinfer-python",
+        "numpy",
+    )
+    print(
+        f"gpu pins: consistent: {len(chosen)} packages resolve together "
+        f"in {time.monotonic() - started:.0f} s (metadata only: nothing installed, no wheel downloaded)"
+    )
     print("  " + ", ".join(f"{k}=={chosen[k]}" for k in key if k in chosen))
     if unpinned:
         print(f"  not pinned in {constraints.name} (resolved freely): {', '.join(unpinned)}")
@@ -151,7 +188,9 @@ def lock() -> int:
         print(out[-4000:], file=sys.stderr)
         return 1
     closure = [f"{n}=={v}" for n, v in sorted(resolved.items()) if n not in chosen]
-    CONSTRAINTS.write_text(head + CLOSURE_MARK + " (python scripts/gpu_pins.py lock) ----\n" + "\n".join(closure) + "\n")
+    CONSTRAINTS.write_text(
+        head + CLOSURE_MARK + " (python scripts/gpu_pins.py lock) ----\n" + "\n".join(closure) + "\n"
+    )
     print(f"wrote {len(closure)} resolved pins below {len(chosen)} chosen ones into {CONSTRAINTS.name}")
     return 0
 

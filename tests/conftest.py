@@ -37,14 +37,35 @@ def build_tiny_gpt_oss(out_dir, *, rope: str = "yarn", seed: int = 0):
     import torch
     from transformers import GptOssConfig, GptOssForCausalLM
 
-    rope_parameters = {"rope_type": "default", "rope_theta": 10000.0} if rope == "default" else {
-        "rope_type": "yarn", "rope_theta": 10000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
-        "truncate": False, "original_max_position_embeddings": 64}
+    rope_parameters = (
+        {"rope_type": "default", "rope_theta": 10000.0}
+        if rope == "default"
+        else {
+            "rope_type": "yarn",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "beta_fast": 32.0,
+            "beta_slow": 1.0,
+            "truncate": False,
+            "original_max_position_embeddings": 64,
+        }
+    )
     config = GptOssConfig(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=4,
-        max_position_embeddings=512, rope_parameters=rope_parameters, tie_word_embeddings=False,
-        router_aux_loss_coef=0.0)
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        sliding_window=4,
+        max_position_embeddings=512,
+        rope_parameters=rope_parameters,
+        tie_word_embeddings=False,
+        router_aux_loss_coef=0.0,
+    )
     torch.manual_seed(seed)
     model = GptOssForCausalLM(config)
     with torch.no_grad():

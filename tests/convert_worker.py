@@ -29,8 +29,9 @@ def main() -> None:
     from safetensors.torch import load_file, save_file
 
     config_dir, ckpt, reference, learner_ckpt, *rest = sys.argv[1:]
-    cfg = load_config(None, [*BASE, "model.type=hf", f"model.path={config_dir}",
-                             f"model.mcore_checkpoint={ckpt}", *rest])
+    cfg = load_config(
+        None, [*BASE, "model.type=hf", f"model.path={config_dir}", f"model.mcore_checkpoint={ckpt}", *rest]
+    )
     init_parallel(cfg.parallel, seed=cfg.trainer.seed)
     learner = Learner(cfg, config_dir)
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)

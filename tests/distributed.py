@@ -14,8 +14,9 @@ from megatron_rlvr.learner.parallel import free_port
 WORKER = Path(__file__).with_name("learner_worker.py")
 
 
-def run_ranks(world_size: int, args: list[str], out_dir: Path, timeout_s: float = 300,
-              env: dict | None = None, attempts: int = 3) -> list[dict]:
+def run_ranks(
+    world_size: int, args: list[str], out_dir: Path, timeout_s: float = 300, env: dict | None = None, attempts: int = 3
+) -> list[dict]:
     """Runs learner_worker.py on every rank; returns each rank's JSON result. A failing rank
     stops the others at once, and the error names it and shows the end of its log. A port
     taken between choosing and binding it (a race with other sockets) is retried."""
@@ -32,12 +33,22 @@ def _launch(world_size: int, args: list[str], out_dir: Path, timeout_s: float, e
     port = free_port()
     procs = []
     for rank in range(world_size):
-        rank_env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size),
-                    "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1",
-                    "RESULT": str(out_dir / f"rank{rank}.json"), **env}
+        rank_env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+            "RESULT": str(out_dir / f"rank{rank}.json"),
+            **env,
+        }
         with open(out_dir / f"rank{rank}.log", "w") as log:
-            procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], env=rank_env,
-                                          stdout=log, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, str(WORKER), *args], env=rank_env, stdout=log, stderr=subprocess.STDOUT
+                )
+            )
     deadline = time.monotonic() + timeout_s
     while any(p.poll() is None for p in procs):
         failed = any(p.poll() not in (None, 0) for p in procs)

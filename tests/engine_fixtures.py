@@ -18,15 +18,23 @@ SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 
 
 def start_engine(model_dir, log_dir, *, routed: bool = True, dtype: str = "float32"):
-    proc = engine_process(str(model_dir), CpuEngine(dtype=dtype), host="127.0.0.1", port=free_port(),
-                          routed_experts=routed, log_dir=log_dir)
+    proc = engine_process(
+        str(model_dir),
+        CpuEngine(dtype=dtype),
+        host="127.0.0.1",
+        port=free_port(),
+        routed_experts=routed,
+        log_dir=log_dir,
+    )
     return proc.start(ready_timeout_s=120)
 
 
 def sglang_python() -> str:
     if not SGLANG_PYTHON.exists():
-        pytest.fail("real-SGLang tests need .venv-sglang: run `bash scripts/setup_sglang_cpu.sh` "
-                    "(the README's test command does)")
+        pytest.fail(
+            "real-SGLang tests need .venv-sglang: run `bash scripts/setup_sglang_cpu.sh` "
+            "(the README's test command does)"
+        )
     return str(SGLANG_PYTHON)
 
 
@@ -35,8 +43,15 @@ def sglang_engine(**fields) -> SglangEngine:
 
 
 def sglang_process(model_dir, log_dir, *, routed: bool = True, **fields):
-    return engine_process(str(model_dir), sglang_engine(**fields), host="127.0.0.1", port=free_port(),
-                          routed_experts=routed, log_dir=log_dir, name="engine 0 (sglang)")
+    return engine_process(
+        str(model_dir),
+        sglang_engine(**fields),
+        host="127.0.0.1",
+        port=free_port(),
+        routed_experts=routed,
+        log_dir=log_dir,
+        name="engine 0 (sglang)",
+    )
 
 
 def start_sglang(model_dir, log_dir, *, routed: bool = True, **fields):
@@ -47,10 +62,18 @@ def start_sglang(model_dir, log_dir, *, routed: bool = True, **fields):
 def start_sglang_cuda(model_dir, log_dir, *, routed: bool = True):
     """SGLang on the GPU from the GPU venv (scripts/gpu_check.sh), float32 so that HF on CPU is
     the reference; a third of the GPU's memory, Triton attention (FlashInfer has no fp32)."""
-    engine = SglangEngine(device="cuda", dtype="float32", mem_fraction_static=0.3,
-                          extra_args=["--attention-backend", "triton"])
-    return engine_process(str(model_dir), engine, host="127.0.0.1", port=free_port(), routed_experts=routed,
-                          log_dir=log_dir, name="engine 0 (sglang cuda)").start(ready_timeout_s=600)
+    engine = SglangEngine(
+        device="cuda", dtype="float32", mem_fraction_static=0.3, extra_args=["--attention-backend", "triton"]
+    )
+    return engine_process(
+        str(model_dir),
+        engine,
+        host="127.0.0.1",
+        port=free_port(),
+        routed_experts=routed,
+        log_dir=log_dir,
+        name="engine 0 (sglang cuda)",
+    ).start(ready_timeout_s=600)
 
 
 def hf_teacher_forced(model_dir, prompt: list[int], output: list[int], temperature: float):

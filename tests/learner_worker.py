@@ -73,8 +73,9 @@ def parity(learner: Learner, hf_dir: str) -> dict:
         "export_bitwise_equal": all(torch.equal(exported[n], original[n]) for n in original if n in exported),
         "export_changed_after_training": any(not torch.equal(moved[n], original[n]) for n in original),
         "mtp_tensors_skipped": len(mtp),
-        "expert_bias_moved": any(not torch.equal(moved[n], original[n]) for n in original
-                                 if n.endswith("e_score_correction_bias")),
+        "expert_bias_moved": any(
+            not torch.equal(moved[n], original[n]) for n in original if n.endswith("e_score_correction_bias")
+        ),
     }
 
 
@@ -105,7 +106,8 @@ def entropy_check() -> dict:
         result[str(rows)] = {
             "logprob_diff": float((lp - ref_lp).abs().max()),
             "value_diff": float((h - ref_h).abs().max()),
-            "grad_diff": float((shard.grad - whole.grad.chunk(tp, dim=-1)[rank]).abs().max())}
+            "grad_diff": float((shard.grad - whole.grad.chunk(tp, dim=-1)[rank]).abs().max()),
+        }
     return result
 
 
@@ -162,8 +164,12 @@ def checkpoint_specs(learner: Learner, out: str) -> dict:
         if ".pre_mlp_layernorm." in name:  # TENorm's FP8 metadata, which a local model lacks
             layer = int(name.split(".")[2])
             te_state[name.replace(".weight", "._extra_state")] = ShardedObject(
-                value.key.replace(".weight", "._extra_state"), None,
-                (learner.bridge.config.num_layers,), (layer,), replica_id=0)
+                value.key.replace(".weight", "._extra_state"),
+                None,
+                (learner.bridge.config.num_layers,),
+                (layer,),
+                replica_id=0,
+            )
     import os
 
     os.makedirs(f"{out}/te")
@@ -226,11 +232,24 @@ def with_engine_routing(batch: TrainBatch, routing: torch.Tensor, num_experts: i
 
     lengths = (replay_valid_mask(batch.response_mask).sum(1) + 1).tolist()
     layers, k = routing.shape[2], routing.shape[3]
-    decoded = [decode_routed_experts(encode_routed_experts(routing[b, : n - 1].numpy()), num_layers=layers,
-                                     top_k=k, num_experts=num_experts, sample=str(b))
-               for b, n in enumerate(lengths)]
-    batch.routed_experts = pack_routed_experts(decoded, lengths, batch.input_ids.shape[1], num_layers=layers,
-                                               top_k=k, sample_ids=[str(b) for b in range(batch.size)])
+    decoded = [
+        decode_routed_experts(
+            encode_routed_experts(routing[b, : n - 1].numpy()),
+            num_layers=layers,
+            top_k=k,
+            num_experts=num_experts,
+            sample=str(b),
+        )
+        for b, n in enumerate(lengths)
+    ]
+    batch.routed_experts = pack_routed_experts(
+        decoded,
+        lengths,
+        batch.input_ids.shape[1],
+        num_layers=layers,
+        top_k=k,
+        sample_ids=[str(b) for b in range(batch.size)],
+    )
     return batch
 
 
@@ -254,14 +273,17 @@ def replay_r2(learner: Learner, hf_dir: str) -> dict:
     before = router_weights(learner)
     metrics = learner.train_step(batch)
     after = router_weights(learner)
-    return {"checked": probe.checked, "mismatched": probe.mismatched, "metrics": metrics,
-            "router_weights_moved": all(not torch.equal(a, b) for a, b in zip(before, after))}
+    return {
+        "checked": probe.checked,
+        "mismatched": probe.mismatched,
+        "metrics": metrics,
+        "router_weights_moved": all(not torch.equal(a, b) for a, b in zip(before, after)),
+    }
 
 
 def replay_r3(learner: Learner, hf_dir: str, perturb: bool) -> dict:
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
-    batch = with_engine_routing(batch, hf_routing(hf_dir, batch.input_ids),
-                                learner.bridge.hf_config.num_experts)
+    batch = with_engine_routing(batch, hf_routing(hf_dir, batch.input_ids), learner.bridge.hf_config.num_experts)
     if perturb:
         perturb_routers(learner, 1.0)
     probe = UsedRouting(learner)
@@ -270,15 +292,21 @@ def replay_r3(learner: Learner, hf_dir: str, perturb: bool) -> dict:
     valid[:, 1:] = batch.response_mask[:, 1:] > 0
     diff = (logprobs - hf_logprobs(hf_dir, batch.input_ids))[valid].abs().max()
     metrics = learner.train_step(with_rl_fields(batch, logprobs))
-    return {"checked": probe.checked, "mismatched": probe.mismatched, "metrics": metrics,
-            "logprob_max_diff_vs_hf": float(diff)}
+    return {
+        "checked": probe.checked,
+        "mismatched": probe.mismatched,
+        "metrics": metrics,
+        "logprob_max_diff_vs_hf": float(diff),
+    }
 
 
 def replay_errors(learner: Learner) -> dict:
     """The messages a user gets for replay misuse."""
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     errors = {}
-    for name, call in (("train_before_logprobs", lambda: learner.train_step(with_rl_fields(batch, torch.zeros(16, 12)))),):
+    for name, call in (
+        ("train_before_logprobs", lambda: learner.train_step(with_rl_fields(batch, torch.zeros(16, 12)))),
+    ):
         try:
             call()
         except (RuntimeError, ValueError) as err:
@@ -310,11 +338,24 @@ def sync_scenario(learner: Learner, urls: list[str], corrupt: bool) -> dict:
     result: dict = {"metrics": sync_weights(learner, start_version + 1, syncer=syncer, loop=loop)}
     if not source:
         return result
-    mismatched = [name for name, tensor in exported.items() for url in urls
-                  if not torch.equal(torch.tensor(httpx.post(f"{url}/get_weights_by_name", json={
-                      "name": name, "truncate_size": tensor.shape[0]}, timeout=60).json()), tensor)]
-    result.update(checked=len(exported) * len(urls), mismatched=mismatched,
-                  versions=loop.run_until_complete(syncer.engine_versions()))
+    mismatched = [
+        name
+        for name, tensor in exported.items()
+        for url in urls
+        if not torch.equal(
+            torch.tensor(
+                httpx.post(
+                    f"{url}/get_weights_by_name", json={"name": name, "truncate_size": tensor.shape[0]}, timeout=60
+                ).json()
+            ),
+            tensor,
+        )
+    ]
+    result.update(
+        checked=len(exported) * len(urls),
+        mismatched=mismatched,
+        versions=loop.run_until_complete(syncer.engine_versions()),
+    )
     if corrupt:  # world 1 only: the error paths of the next sync
         result.update(integrity_checks(learner, syncer, syncer_module, loop, urls, start_version + 1))
     return result
@@ -356,15 +397,21 @@ def short_batch(learner: Learner, hf_dir: str) -> dict:
     must change nothing (lr ~ 0 keeps the weights equal between the two steps)."""
     from megatron_rlvr.batching import spread_over_slots
 
-    batch = with_rl_fields(fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5),
-                           hf_logprobs(hf_dir, fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5).input_ids))
+    batch = with_rl_fields(
+        fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5),
+        hf_logprobs(hf_dir, fixed_batch(learner.bridge.hf_config.vocab_size, batch_size=5).input_ids),
+    )
     padded = spread_over_slots(batch, slots=1, micro_batch_size=2)
     learner.cfg.trainer.micro_batch_size = 2
     with_padding = learner.train_step(padded)
     learner.cfg.trainer.micro_batch_size = 8
     plain = learner.train_step(batch)
-    return {"rows": padded.size, "padding_masked": float(padded.response_mask[5:].sum()),
-            "with_padding": with_padding, "plain": plain}
+    return {
+        "rows": padded.size,
+        "padding_masked": float(padded.response_mask[5:].sum()),
+        "with_padding": with_padding,
+        "plain": plain,
+    }
 
 
 def main() -> None:

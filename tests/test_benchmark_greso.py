@@ -28,8 +28,13 @@ def rows(steps: int, generated_per_step: int, reward, skipped: int = 0) -> list[
     trained from the surplus alone (no reward/mean), an evaluation at steps 0 mod 20."""
     out = []
     for step in range(1, steps + 1):
-        row = {"step": step, "buffer/generated": generated_per_step * step, "buffer/used": 4 * step,
-               "sampler/skipped_prompts": skipped, "time/step_s": 0.5}
+        row = {
+            "step": step,
+            "buffer/generated": generated_per_step * step,
+            "buffer/used": 4 * step,
+            "sampler/skipped_prompts": skipped,
+            "time/step_s": 0.5,
+        }
         if step % 10:
             row["reward/mean"] = reward(step)
         if step % 20 == 0:
@@ -57,5 +62,6 @@ def test_the_table_pairs_each_seed_off_and_on(greso):
     assert lines[2].split()[:5] == ["polarising", "1", "off", "40", "8.00"]
     assert lines[3].split()[:5] == ["polarising", "1", "on", "40", "4.00"]
     assert lines[4].split()[7] == "-"  # never reached 0.9
-    assert lines[-1] == ("ratio polarising seed 1: generated per used off/on 2.00x, wall off/on 1.33x, "
-                         "last-20 reward 0.600 -> 0.600")  # the default run has no pair here
+    assert lines[-1] == (
+        "ratio polarising seed 1: generated per used off/on 2.00x, wall off/on 1.33x, last-20 reward 0.600 -> 0.600"
+    )  # the default run has no pair here

@@ -27,11 +27,13 @@ USEFUL = {"p3", "p7"}  # the only prompts whose groups have reward variance
 def verdicts_by_prompt(useful=USEFUL, solved=frozenset({"p0", "p1", "p2", "p4"})):
     """A scorer standing in for a policy that is polarised on most prompts: all right on
     `solved`, all wrong on the rest, mixed only on `useful` (the prompt text is its id)."""
+
     async def score(responses, record):
         prompt = record.prompt_id
         if prompt in useful:
             return [float(i % 2) for i in range(len(responses))]
         return [1.0 if prompt in solved else 0.0] * len(responses)
+
     return score
 
 
@@ -57,8 +59,16 @@ class CountingBuffer(Buffer):
 def make_sampler(engine, **kwargs):
     client = EngineClient(engine.url)
     manager = RolloutManager([client], p.SamplingParams(max_new_tokens=2, n=4))
-    sampler = ActiveSampler(manager, CountingBuffer(), PROMPTS, encode=lambda record: [1, 5 + int(record.prompt)],
-                            decode=lambda ids: "", score=verdicts_by_prompt(), seed=0, **kwargs)
+    sampler = ActiveSampler(
+        manager,
+        CountingBuffer(),
+        PROMPTS,
+        encode=lambda record: [1, 5 + int(record.prompt)],
+        decode=lambda ids: "",
+        score=verdicts_by_prompt(),
+        seed=0,
+        **kwargs,
+    )
     return sampler, client
 
 
@@ -103,8 +113,9 @@ def test_fewer_useful_groups_than_a_batch_can_hold_also_end_the_run(engine):
 
 def test_prompts_that_keep_giving_zero_std_groups_are_skipped_but_probed_again(engine):
     async def go():
-        history = PromptHistory(enabled=True, explore_solved=0.5, explore_unsolved=0.5,
-                                max_skip_probability=0.75, seed=0)
+        history = PromptHistory(
+            enabled=True, explore_solved=0.5, explore_unsolved=0.5, max_skip_probability=0.75, seed=0
+        )
         sampler, client = make_sampler(engine, history=history, max_groups=12)
         skipped = 0
         for _ in range(20):
@@ -118,8 +129,12 @@ def test_prompts_that_keep_giving_zero_std_groups_are_skipped_but_probed_again(e
         assert skipped > 0 and min(useful) >= 20
         assert sum(polarised) / len(polarised) < 0.5 * min(useful) and min(polarised) >= 2
         state = sampler.state()
-        restored, _ = make_sampler(engine, history=PromptHistory(
-            enabled=True, explore_solved=0.5, explore_unsolved=0.5, max_skip_probability=0.75, seed=0))
+        restored, _ = make_sampler(
+            engine,
+            history=PromptHistory(
+                enabled=True, explore_solved=0.5, explore_unsolved=0.5, max_skip_probability=0.75, seed=0
+            ),
+        )
         restored.load_state(state)
         assert restored.history.outcomes == sampler.history.outcomes  # checkpointed with the sampler
         await client.close()
@@ -128,8 +143,7 @@ def test_prompts_that_keep_giving_zero_std_groups_are_skipped_but_probed_again(e
 
 
 def test_skip_probability_grows_with_the_streak_and_stays_below_one():
-    history = PromptHistory(enabled=True, explore_solved=0.5, explore_unsolved=0.8,
-                            max_skip_probability=0.9, seed=0)
+    history = PromptHistory(enabled=True, explore_solved=0.5, explore_unsolved=0.8, max_skip_probability=0.9, seed=0)
     for streak in range(1, 8):
         history.record("easy", [1.0, 1.0], zero_std=True)
         history.record("hard", [0.0, 0.0], zero_std=True)
@@ -147,8 +161,11 @@ def test_skip_probability_grows_with_the_streak_and_stays_below_one():
 
 @pytest.mark.parametrize("rows, slots, micro", [(12, 4, 8), (10, 4, 2), (5, 1, 2), (3, 2, 8), (16, 2, 8)])
 def test_a_short_batch_is_laid_out_so_every_slot_splits_and_holds_real_rows(rows, slots, micro):
-    batch = TrainBatch(torch.arange(rows)[:, None].repeat(1, 3), torch.ones(rows, 3),
-                       advantages=torch.arange(rows, dtype=torch.float32))
+    batch = TrainBatch(
+        torch.arange(rows)[:, None].repeat(1, 3),
+        torch.ones(rows, 3),
+        advantages=torch.arange(rows, dtype=torch.float32),
+    )
     laid_out = spread_over_slots(batch, slots, micro)
     num_minibatches, dp = slots, 1
     real_rows = []
@@ -164,8 +181,7 @@ def test_a_short_batch_is_laid_out_so_every_slot_splits_and_holds_real_rows(rows
 
 
 def test_padding_rows_of_a_short_batch_change_neither_loss_nor_gradient(tiny_hf_dir, tmp_path):
-    result = run_ranks(1, ["short-batch", str(tiny_hf_dir), "algo.num_minibatches=1", "trainer.lr=1e-30"],
-                       tmp_path)[0]
+    result = run_ranks(1, ["short-batch", str(tiny_hf_dir), "algo.num_minibatches=1", "trainer.lr=1e-30"], tmp_path)[0]
     assert result["rows"] == 6 and result["padding_masked"] == 0.0
     padded, plain = result["with_padding"], result["plain"]
     for key in ("policy_loss", "grad_norm", "entropy", "clipfrac", "approx_kl"):

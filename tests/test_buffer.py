@@ -9,10 +9,21 @@ from megatron_rlvr.samples import Group, Sample
 
 
 def make_group(rewards, *, version="0", prompt="p", finish="length", error=None, spans=None):
-    samples = [Sample(prompt_id=prompt, group_id=f"{prompt}-g", index=i, prompt_ids=[1], response_ids=[2],
-                      rollout_logprobs=[-1.0], finish_reason=finish, weight_version=version,
-                      weight_versions=spans or [{"version": version, "start": 0, "end": 1}], reward=r)
-               for i, r in enumerate(rewards)]
+    samples = [
+        Sample(
+            prompt_id=prompt,
+            group_id=f"{prompt}-g",
+            index=i,
+            prompt_ids=[1],
+            response_ids=[2],
+            rollout_logprobs=[-1.0],
+            finish_reason=finish,
+            weight_version=version,
+            weight_versions=spans or [{"version": version, "start": 0, "end": 1}],
+            reward=r,
+        )
+        for i, r in enumerate(rewards)
+    ]
     return Group(prompt, f"{prompt}-g", samples, error=error, aborted=finish == "abort")
 
 
@@ -23,20 +34,29 @@ def run(coro):
 def test_filters_zero_gradient_and_broken_groups_with_a_count_for_each():
     async def go():
         buffer = Buffer()
-        verdicts = [await buffer.put(g) for g in [
-            make_group([1, 0, 1, 0]),                                # useful
-            make_group([1, 1, 1, 1]),                                # all correct: no gradient
-            make_group([0.0, 0.0]),                                  # all wrong
-            make_group([1e-9, 0.0, 0.0]),                            # equal within eps
-            Group("p", "g", [], error="engine refused the prompt"),  # every sample failed
-            make_group([1, 0], finish="abort"),                      # partial responses
-            make_group([None, 1.0]),                                 # a verifier result missing
-            make_group([1.0]),                                       # a group of one
-        ]]
+        verdicts = [
+            await buffer.put(g)
+            for g in [
+                make_group([1, 0, 1, 0]),  # useful
+                make_group([1, 1, 1, 1]),  # all correct: no gradient
+                make_group([0.0, 0.0]),  # all wrong
+                make_group([1e-9, 0.0, 0.0]),  # equal within eps
+                Group("p", "g", [], error="engine refused the prompt"),  # every sample failed
+                make_group([1, 0], finish="abort"),  # partial responses
+                make_group([None, 1.0]),  # a verifier result missing
+                make_group([1.0]),  # a group of one
+            ]
+        ]
         assert verdicts == ["kept", "zero_std", "zero_std", "zero_std", "failed", "aborted", "unscored", "too_small"]
         stats = await buffer.stats()
         assert stats["generated"] == 8 and stats["kept"] == 1 and stats["dropped_zero_std"] == 3
-        assert stats["dropped_failed"] == stats["dropped_aborted"] == stats["dropped_unscored"] == stats["dropped_too_small"] == 1
+        assert (
+            stats["dropped_failed"]
+            == stats["dropped_aborted"]
+            == stats["dropped_unscored"]
+            == stats["dropped_too_small"]
+            == 1
+        )
 
     run(go())
 
@@ -87,8 +107,13 @@ def test_groups_older_than_the_staleness_bound_are_dropped_and_counted():
         await buffer.put(make_group([1, 0], version="3", prompt="old"))
         await buffer.put(make_group([1, 0], version="4", prompt="new"))
         # a group whose tokens span two versions counts as its oldest
-        await buffer.put(make_group([1, 0], prompt="mixed", spans=[{"version": "3", "start": 0, "end": 5},
-                                                                   {"version": "5", "start": 5, "end": 9}]))
+        await buffer.put(
+            make_group(
+                [1, 0],
+                prompt="mixed",
+                spans=[{"version": "3", "start": 0, "end": 5}, {"version": "5", "start": 5, "end": 9}],
+            )
+        )
         batch = await buffer.get_batch(1, policy_version=5)
         assert [g.prompt_id for g in batch] == ["new"] and (await buffer.stats())["dropped_stale"] == 2
 

@@ -41,12 +41,16 @@ LLAMA_TEMPLATE = (
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{%- endif %}"
 )
-SPECIALS = {"qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
-            "llama": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]}
-CORPUS = ["Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
-          "How many clips did Natalia sell altogether in April and May? Let's think step by step.",
-          "You are a helpful assistant. Put the final answer within \\boxed{}.",
-          "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting."] * 4
+SPECIALS = {
+    "qwen": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+    "llama": ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"],
+}
+CORPUS = [
+    "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May.",
+    "How many clips did Natalia sell altogether in April and May? Let's think step by step.",
+    "You are a helpful assistant. Put the final answer within \\boxed{}.",
+    "Weng earns $12 an hour for babysitting. Yesterday, she just did 50 minutes of babysitting.",
+] * 4
 
 
 def chat_tokenizer(style: str, out_dir):
@@ -58,13 +62,19 @@ def chat_tokenizer(style: str, out_dir):
     core = Tokenizer(models.BPE())
     core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     core.decoder = decoders.ByteLevel()
-    core.train_from_iterator(CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIALS[style],
-                                                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    core.train_from_iterator(
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=SPECIALS[style], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     if style == "qwen":
         tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|im_end|>", pad_token="<|endoftext|>")
         tokenizer.chat_template = QWEN_TEMPLATE
     else:
-        tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>")
+        tokenizer = PreTrainedTokenizerFast(
+            tokenizer_object=core, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>"
+        )
         tokenizer.chat_template = LLAMA_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return AutoTokenizer.from_pretrained(out_dir)
@@ -91,28 +101,38 @@ def hf_ids(tokenizer, messages, **kwargs) -> list[int]:
 @pytest.mark.parametrize("system", [None, SYSTEM], ids=["no-system", "system"])
 def test_prompt_ids_equal_hf_apply_chat_template(tokenizer, system):
     style, tok = tokenizer
-    records = [PromptRecord("s", QUESTION, "72"),  # a string prompt is one user message
-               PromptRecord("m", [{"role": "user", "content": QUESTION}], "72")]
+    records = [
+        PromptRecord("s", QUESTION, "72"),  # a string prompt is one user message
+        PromptRecord("m", [{"role": "user", "content": QUESTION}], "72"),
+    ]
     encoded = PromptRenderer(tok, fmt(system_prompt=system, instruction=INSTRUCTION)).encode(records)
     messages = ([{"role": "system", "content": system}] if system else []) + [
-        {"role": "user", "content": f"{QUESTION} {INSTRUCTION}"}]
+        {"role": "user", "content": f"{QUESTION} {INSTRUCTION}"}
+    ]
     expected = hf_ids(tok, messages)
     assert encoded.encode(records[0]) == expected and encoded.encode(records[1]) == expected
     text = tok.decode(expected)
     if style == "qwen":
         assert text == (f"<|im_start|>system\n{system}<|im_end|>\n" if system else "") + (
-            f"<|im_start|>user\n{QUESTION} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n")
+            f"<|im_start|>user\n{QUESTION} {INSTRUCTION}<|im_end|>\n<|im_start|>assistant\n"
+        )
     else:
-        assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
-                        f"December 2023\nToday Date: 26 Jul 2024\n\n{system or ''}<|eot_id|><|start_header_id|>user"
-                        f"<|end_header_id|>\n\n{QUESTION} {INSTRUCTION}<|eot_id|><|start_header_id|>assistant"
-                        "<|end_header_id|>\n\n")
+        assert text == (
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+            f"December 2023\nToday Date: 26 Jul 2024\n\n{system or ''}<|eot_id|><|start_header_id|>user"
+            f"<|end_header_id|>\n\n{QUESTION} {INSTRUCTION}<|eot_id|><|start_header_id|>assistant"
+            "<|end_header_id|>\n\n"
+        )
 
 
 def test_a_record_s_own_system_message_and_turns_are_kept(tokenizer):
     _, tok = tokenizer
-    conversation = [{"role": "system", "content": "Answer in French."}, {"role": "user", "content": "2+2?"},
-                    {"role": "assistant", "content": "4"}, {"role": "user", "content": QUESTION}]
+    conversation = [
+        {"role": "system", "content": "Answer in French."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": QUESTION},
+    ]
     record = PromptRecord("c", conversation, "72")
     encoded = PromptRenderer(tok, fmt(system_prompt=SYSTEM, instruction=INSTRUCTION)).encode([record])
     expected = conversation[:3] + [{"role": "user", "content": f"{QUESTION} {INSTRUCTION}"}]
@@ -127,8 +147,9 @@ def test_template_arguments_reach_the_template(tmp_path):
     expected = hf_ids(tok, [{"role": "user", "content": QUESTION}], enable_thinking=False)
     assert thinking_off.encode(record) == expected
     assert tok.decode(expected).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
-    assert PromptRenderer(tok, fmt()).encode([record]).encode(record) == hf_ids(tok, [{"role": "user",
-                                                                                      "content": QUESTION}])
+    assert PromptRenderer(tok, fmt()).encode([record]).encode(record) == hf_ids(
+        tok, [{"role": "user", "content": QUESTION}]
+    )
 
 
 def test_long_prompts_are_dropped_and_counted(tokenizer, caplog):
@@ -148,7 +169,9 @@ def test_without_a_template_the_prompt_text_follows_bos(tmp_path):
     tok = chat_tokenizer("llama", tmp_path)
     record = PromptRecord("q", QUESTION, "72")
     plain = PromptRenderer(tok, fmt(apply_chat_template=False, instruction=INSTRUCTION)).encode([record])
-    assert plain.encode(record) == [tok.bos_token_id] + tok.encode(f"{QUESTION} {INSTRUCTION}", add_special_tokens=False)
+    assert plain.encode(record) == [tok.bos_token_id] + tok.encode(
+        f"{QUESTION} {INSTRUCTION}", add_special_tokens=False
+    )
     tok.chat_template = None
     with pytest.raises(DataError, match="data.apply_chat_template = true: the tokenizer has no chat template"):
         PromptRenderer(tok, fmt(apply_chat_template=True))

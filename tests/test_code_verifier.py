@@ -30,7 +30,11 @@ def verifier():
 
 
 def sandbox_processes() -> list:
-    return [p for p in psutil.process_iter(["cmdline"]) if "megatron_rlvr.rewards.runner" in " ".join(p.info["cmdline"] or [])]
+    return [
+        p
+        for p in psutil.process_iter(["cmdline"])
+        if "megatron_rlvr.rewards.runner" in " ".join(p.info["cmdline"] or [])
+    ]
 
 
 def leftover_dirs() -> set:
@@ -43,26 +47,50 @@ def test_stdin_stdout_solutions_get_the_right_reward_or_a_zero_with_a_reason(ver
     before_dirs, before_files = leftover_dirs(), sorted(os.listdir(tmp_path))
     cases = {
         "correct": (py("a, b = map(int, input().split())\nprint(a + b)"), 1.0, "passed"),
-        "reads fd 0, exits early": (py("import sys\na, b = map(int, open(0).read().split())\nprint(a + b)\nsys.exit()"),
-                                   1.0, "passed"),
-        "uses a thread": (py("import threading\nout = []\nt = threading.Thread(target=lambda: out.append("
-                             "sum(map(int, input().split()))))\nt.start(); t.join()\nprint(out[0])"), 1.0, "passed"),
-        "writes in its own directory": (py("open('scratch', 'w').write(input())\na, b = map(int, open('scratch')"
-                                           ".read().split())\nprint(a + b)"), 1.0, "passed"),
+        "reads fd 0, exits early": (
+            py("import sys\na, b = map(int, open(0).read().split())\nprint(a + b)\nsys.exit()"),
+            1.0,
+            "passed",
+        ),
+        "uses a thread": (
+            py(
+                "import threading\nout = []\nt = threading.Thread(target=lambda: out.append("
+                "sum(map(int, input().split()))))\nt.start(); t.join()\nprint(out[0])"
+            ),
+            1.0,
+            "passed",
+        ),
+        "writes in its own directory": (
+            py("open('scratch', 'w').write(input())\na, b = map(int, open('scratch').read().split())\nprint(a + b)"),
+            1.0,
+            "passed",
+        ),
         "wrong": (py("a, b = map(int, input().split())\nprint(a - b)"), 0.0, "wrong_answer"),
         "exception": (py("print(1 // 0)"), 0.0, "runtime_error"),
         "syntax error": (py("def f(:\n  pass"), 0.0, "syntax_error"),
         "infinite loop": (py("while True:\n    pass"), 0.0, "timeout"),
         "sleeps": (py("import time\ntime.sleep(60)"), 0.0, "timeout"),
-        "closes its pipes, then loops": (py("import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n"
-                                            "    except OSError:\n        pass\nwhile True:\n    pass"), 0.0, "timeout"),
+        "closes its pipes, then loops": (
+            py(
+                "import os\nfor fd in range(3, 64):\n    try:\n        os.close(fd)\n"
+                "    except OSError:\n        pass\nwhile True:\n    pass"
+            ),
+            0.0,
+            "timeout",
+        ),
         "fork bomb": (py("import os\nwhile True:\n    os.fork()"), 0.0, "sandbox_violation"),
         "memory bomb": (py("hog = []\nwhile True:\n    hog.append(bytearray(10**7))"), 0.0, "memory"),
-        "os.system": (py(f"import os\nos.system('touch {tmp_path}/pwned')\na, b = map(int, input().split())\n"
-                         "print(a + b)"), 0.0, "sandbox_violation"),
+        "os.system": (
+            py(f"import os\nos.system('touch {tmp_path}/pwned')\na, b = map(int, input().split())\nprint(a + b)"),
+            0.0,
+            "sandbox_violation",
+        ),
         "subprocess": (py("import subprocess\nsubprocess.run(['true'])"), 0.0, "sandbox_violation"),
-        "socket": (py("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)"), 0.0,
-                   "sandbox_violation"),
+        "socket": (
+            py("import socket\nsocket.create_connection(('127.0.0.1', 80), timeout=1)"),
+            0.0,
+            "sandbox_violation",
+        ),
         "writes outside": (py(f"open('{tmp_path}/pwned', 'w').write('x')"), 0.0, "sandbox_violation"),
         "deletes outside": (py(f"import os\nos.remove('{victim}')"), 0.0, "sandbox_violation"),
         "chmods outside": (py(f"import os\nos.chmod('{victim}', 0o777)"), 0.0, "sandbox_violation"),
@@ -93,21 +121,32 @@ def test_a_timed_out_test_is_killed_at_its_deadline():
 
 def test_assert_and_call_style_tests(verifier):
     mbpp = {"test_list": ["assert add(1, 2) == 3", "assert add(-1, 1) == 0"], "test_imports": []}
-    assert verifier.verify_batch(["def add(a, b):\n    return a + b",
-                                  py("def add(a, b):\n    return 3"),
-                                  py("def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # example"),
-                                  py("import os\ndef add(a, b):\n    os._exit(0)")], mbpp) == [
-        (1.0, "passed"), (0.0, "wrong_answer"), (1.0, "passed"), (0.0, "crashed")]
-    humaneval = {"test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
-                 "entry_point": "total"}
-    assert verifier.verify_batch([py("def total(xs):\n    return sum(xs)"), py("def total(xs):\n    return 3")],
-                                 humaneval) == [(1.0, "passed"), (0.0, "wrong_answer")]
+    assert verifier.verify_batch(
+        [
+            "def add(a, b):\n    return a + b",
+            py("def add(a, b):\n    return 3"),
+            py("def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # example"),
+            py("import os\ndef add(a, b):\n    os._exit(0)"),
+        ],
+        mbpp,
+    ) == [(1.0, "passed"), (0.0, "wrong_answer"), (1.0, "passed"), (0.0, "crashed")]
+    humaneval = {
+        "test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n    assert candidate([]) == 0\n",
+        "entry_point": "total",
+    }
+    assert verifier.verify_batch(
+        [py("def total(xs):\n    return sum(xs)"), py("def total(xs):\n    return 3")], humaneval
+    ) == [(1.0, "passed"), (0.0, "wrong_answer")]
     leetcode = {"fn_name": "twoSum", "inputs": [[[2, 7, 11, 15], 9], [[3, 2, 4], 6]], "outputs": [[0, 1], [1, 2]]}
-    solution = ("class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
-                "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
-                "                return (seen[target - x], i)\n            seen[x] = i")
+    solution = (
+        "class Solution:\n    def twoSum(self, nums, target):\n        seen = {}\n"
+        "        for i, x in enumerate(nums):\n            if target - x in seen:\n"
+        "                return (seen[target - x], i)\n            seen[x] = i"
+    )
     assert verifier.verify_batch([py(solution), py("def twoSum(nums, target):\n    return [0, 1]")], leetcode) == [
-        (1.0, "passed"), (0.0, "wrong_answer")]
+        (1.0, "passed"),
+        (0.0, "wrong_answer"),
+    ]
 
 
 def test_fraction_reward_counts_tests_passed():
@@ -118,20 +157,25 @@ def test_fraction_reward_counts_tests_passed():
 
 def test_outputs_compare_token_by_token_with_a_float_tolerance(verifier):
     tests = [{"input": "", "output": "0.3333333\n1 2 3"}]
-    assert verifier.verify_batch([py("print(1/3)\nprint('1  2 3  ')"), py("print(0.34)\nprint(1, 2, 3)")],
-                                 tests) == [(1.0, "passed"), (0.0, "wrong_answer")]
+    assert verifier.verify_batch([py("print(1/3)\nprint('1  2 3  ')"), py("print(0.34)\nprint(1, 2, 3)")], tests) == [
+        (1.0, "passed"),
+        (0.0, "wrong_answer"),
+    ]
 
 
-@pytest.mark.parametrize("tests, kinds", [
-    ('{"inputs": ["1\\n"], "outputs": ["2\\n"]}', ["stdio"]),  # verl keeps ground truth as a JSON string
-    ({"inputs": [["1", "2"]], "outputs": [["3"]]}, ["stdio"]),  # TACO: lines as lists
-    ({"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}, ["call"]),
-    ({"fn_name": "f", "inputs": ["[1, 2]"], "outputs": [3]}, ["call"]),
-    ([{"input": "1", "output": "1"}, {"input": "2", "output": "2"}], ["stdio", "stdio"]),
-    (["assert f(1) == 1", "assert f(2) == 2"], ["assert", "assert"]),
-    ("assert f(1) == 1\nassert f(2) == 2", ["assert"]),
-    ({"test": "def check(c): pass", "entry_point": "f"}, ["assert"]),
-])
+@pytest.mark.parametrize(
+    "tests, kinds",
+    [
+        ('{"inputs": ["1\\n"], "outputs": ["2\\n"]}', ["stdio"]),  # verl keeps ground truth as a JSON string
+        ({"inputs": [["1", "2"]], "outputs": [["3"]]}, ["stdio"]),  # TACO: lines as lists
+        ({"fn_name": "f", "inputs": [[1, 2]], "outputs": [3]}, ["call"]),
+        ({"fn_name": "f", "inputs": ["[1, 2]"], "outputs": [3]}, ["call"]),
+        ([{"input": "1", "output": "1"}, {"input": "2", "output": "2"}], ["stdio", "stdio"]),
+        (["assert f(1) == 1", "assert f(2) == 2"], ["assert", "assert"]),
+        ("assert f(1) == 1\nassert f(2) == 2", ["assert"]),
+        ({"test": "def check(c): pass", "entry_point": "f"}, ["assert"]),
+    ],
+)
 def test_dataset_test_layouts_parse(tests, kinds):
     assert [t["kind"] for t in parse_tests(tests)] == kinds
 

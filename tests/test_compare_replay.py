@@ -35,10 +35,20 @@ def compare(*args, **popen):
 
 
 def rows(steps, *, mismatch, reward=lambda s: 0.5, grad=lambda s: 1.0, natural=0.97, used=0.97):
-    return [{"step": s, "reward/mean": reward(s), "train/mismatch_k3_kl": mismatch(s), "train/grad_norm": grad(s),
-             "train/policy_loss": -0.1, "train/routing_agreement_engine": natural,
-             "train/routing_agreement_engine/layer0": natural, "train/routing_agreement_engine_used": used,
-             "time/step_s": 1.0} for s in range(1, steps + 1)]
+    return [
+        {
+            "step": s,
+            "reward/mean": reward(s),
+            "train/mismatch_k3_kl": mismatch(s),
+            "train/grad_norm": grad(s),
+            "train/policy_loss": -0.1,
+            "train/routing_agreement_engine": natural,
+            "train/routing_agreement_engine/layer0": natural,
+            "train/routing_agreement_engine_used": used,
+            "time/step_s": 1.0,
+        }
+        for s in range(1, steps + 1)
+    ]
 
 
 # ----------------------------------------------------------------------------- the rule
@@ -46,19 +56,28 @@ def test_the_most_stable_mode_is_the_lowest_final_mismatch_among_runs_without_co
     steps = 20
     results = [
         an.RunResult(an.Combo("grpo", 4, "none"), 0, rows(steps, mismatch=lambda s: 1e-4 if s <= 4 else 6e-4)),
-        an.RunResult(an.Combo("grpo", 4, "r2"), 0, rows(steps, mismatch=lambda s: 1e-5,
-                                                        grad=lambda s: 40.0 if s == 7 else 1.0)),
-        an.RunResult(an.Combo("grpo", 4, "r3"), 0, rows(steps, mismatch=lambda s: 2e-5, used=1.0,
-                                                        grad=lambda s: 40.0 if s == 1 else 1.0)),  # first window
-        an.RunResult(an.Combo("grpo", 1, "none"), 0, rows(steps, mismatch=lambda s: 1e-5,
-                                                          reward=lambda s: 0.8 if s < 10 else 0.3)),
+        an.RunResult(
+            an.Combo("grpo", 4, "r2"), 0, rows(steps, mismatch=lambda s: 1e-5, grad=lambda s: 40.0 if s == 7 else 1.0)
+        ),
+        an.RunResult(
+            an.Combo("grpo", 4, "r3"),
+            0,
+            rows(steps, mismatch=lambda s: 2e-5, used=1.0, grad=lambda s: 40.0 if s == 1 else 1.0),
+        ),  # first window
+        an.RunResult(
+            an.Combo("grpo", 1, "none"),
+            0,
+            rows(steps, mismatch=lambda s: 1e-5, reward=lambda s: 0.8 if s < 10 else 0.3),
+        ),
         an.RunResult(an.Combo("grpo", 1, "r3"), 0, rows(steps, mismatch=lambda s: 3e-5, used=1.0)),
     ]
     verdicts = write_report(tmp_path, results, ["setup"], steps, seeds=1)
     at1, at4 = verdicts
     # r2 has the lowest mismatch at 4x, but a grad-norm spike; none's KL grew 6x
-    assert at4.startswith("At 4× off-policy (grpo), **r3** was most stable: over 20 steps r3's mismatch KL "
-                          "went 2.0e-05 → 2.0e-05 (1.0×, peak 2.0e-05)")
+    assert at4.startswith(
+        "At 4× off-policy (grpo), **r3** was most stable: over 20 steps r3's mismatch KL "
+        "went 2.0e-05 → 2.0e-05 (1.0×, peak 2.0e-05)"
+    )
     assert "none's mismatch KL went 1.0e-04 → 6.0e-04 (6.0×, peak 6.0e-04)" in at4
     assert "r2: 1 grad-norm spike(s), up to 40× its median" in at4
     assert "Reward, first → last window: none 0.5 → 0.5; r2 0.5 → 0.5; r3 0.5 → 0.5." in at4
@@ -76,8 +95,10 @@ def test_every_run_disqualified_falls_back_to_the_lowest_mismatch():
 
 
 def test_seeds_aggregate_as_mean_and_std(tmp_path):
-    results = [an.RunResult(an.Combo("grpo", 1, "r3"), seed, rows(10, mismatch=lambda s, k=seed: 1e-5 * (k + 1)))
-               for seed in range(2)]
+    results = [
+        an.RunResult(an.Combo("grpo", 1, "r3"), seed, rows(10, mismatch=lambda s, k=seed: 1e-5 * (k + 1)))
+        for seed in range(2)
+    ]
     write_report(tmp_path, results, ["setup"], 10, seeds=2)
     table = [line.split(",") for line in (tmp_path / "table.csv").read_text().splitlines()]
     mismatch = next(row for row in table if row[4] == "train/mismatch_k3_kl")
@@ -89,8 +110,13 @@ def test_seeds_aggregate_as_mean_and_std(tmp_path):
 def test_bad_arguments_and_configs_are_one_line_errors(tmp_path):
     done = compare(PRESET, "--modes", "none,r4", "--out", tmp_path)
     assert done.returncode == 2 and "'none,r4': a comma-separated list of none, r2, r3" in done.stderr
-    tool = subprocess.run([sys.executable, REPO / "tools" / "compare_routing_replay.py", PRESET, "--seeds", "0"],
-                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    tool = subprocess.run(
+        [sys.executable, REPO / "tools" / "compare_routing_replay.py", PRESET, "--seeds", "0"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert tool.returncode == 2 and "argument --seeds: '0': an integer >= 1" in tool.stderr
     done = compare(PRESET, "--off-policy", "3", "--out", tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
@@ -103,8 +129,10 @@ def _fake_slurm(tmp_path: Path, state: str) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     counter = tmp_path / "jobs"
-    (bin_dir / "sbatch").write_text(f"#!/bin/bash\ncat > /dev/null\nn=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 ))\n"
-                                    f'echo $n > {counter}\necho "$n;cluster"\n')
+    (bin_dir / "sbatch").write_text(
+        f"#!/bin/bash\ncat > /dev/null\nn=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 ))\n"
+        f'echo $n > {counter}\necho "$n;cluster"\n'
+    )
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "JobId=$4 JobState={state} Reason=None ExitCode=0:0"\n')
     for tool in ("sbatch", "scontrol"):
         (bin_dir / tool).chmod(stat.S_IRWXU)
@@ -118,8 +146,14 @@ def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path)
     def env(state: str) -> dict:
         return dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
 
-    first = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
-                           cwd=REPO, capture_output=True, text=True, env=env("RUNNING"), timeout=300)
+    first = subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env("RUNNING"),
+        timeout=300,
+    )
     assert first.returncode == 0, first.stderr
     assert "grpo-k1-none-s0: submitted job 1" in first.stdout and "grpo-k1-r3-s0: submitted job 2" in first.stdout
     assert "2 of 2 runs queued or running" in first.stdout
@@ -128,8 +162,14 @@ def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path)
     for name, mismatch in (("grpo-k1-none-s0", 4e-5), ("grpo-k1-r3-s0", 2e-5)):  # what the jobs wrote
         lines = rows(3, mismatch=lambda s, m=mismatch: m)
         (out / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    second = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
-                            cwd=REPO, capture_output=True, text=True, env=env("COMPLETED"), timeout=300)
+    second = subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        env=env("COMPLETED"),
+        timeout=300,
+    )
     assert second.returncode == 0, second.stderr
     assert "grpo-k1-none-s0: job 1 completed" in second.stdout
     assert "At 1× off-policy (grpo), r3 was most stable" in second.stdout
@@ -155,9 +195,19 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     assert "At 1× off-policy (grpo)" in done.stdout and "most stable" in done.stdout
     table = (out / "table.csv").read_text().splitlines()
     assert table[0] == "algo,off_policy,mode,seeds,metric,mean,mean_std,last,last_std"
-    for metric in ("reward/mean", "train/policy_loss", "train/clipfrac", "train/approx_kl", "train/mismatch_abs_mean",
-                   "train/mismatch_abs_max", "train/mismatch_k3_kl", "train/routing_agreement_engine",
-                   "train/routing_agreement_engine/layer1", "train/grad_norm", "time/step_s"):
+    for metric in (
+        "reward/mean",
+        "train/policy_loss",
+        "train/clipfrac",
+        "train/approx_kl",
+        "train/mismatch_abs_mean",
+        "train/mismatch_abs_max",
+        "train/mismatch_k3_kl",
+        "train/routing_agreement_engine",
+        "train/routing_agreement_engine/layer1",
+        "train/grad_norm",
+        "time/step_s",
+    ):
         assert any(f",none,1,{metric}," in row for row in table) and any(f",r3,1,{metric}," in row for row in table)
     plots = sorted((out / "plots").glob("*.png"))
     assert len(plots) >= 10
@@ -170,7 +220,10 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     assert "Which mode kept training stable" in report and "Rule: a run is disqualified" in report
     assert "![mismatch KL rollout → learner (k3)](plots/train_mismatch_k3_kl.png)" in report
     assert "<img src='plots/reward_mean.png'" in (out / "report.html").read_text()
-    models = {(out / "runs" / name / "model" / "model.safetensors").read_bytes() for name in ("grpo-k1-none-s0", "grpo-k1-r3-s0")}
+    models = {
+        (out / "runs" / name / "model" / "model.safetensors").read_bytes()
+        for name in ("grpo-k1-none-s0", "grpo-k1-r3-s0")
+    }
     assert len(models) == 1  # the same initial weights
 
 
@@ -198,7 +251,10 @@ def test_an_interrupted_comparison_resumes_without_redoing_finished_runs(compare
     proc.send_signal(signal.SIGINT)
     assert proc.wait(300) == 130
     log.close()
-    assert "stopped by SIGINT during run grpo-k1-r3-s0; 1 of 2 runs finished and kept" in (tmp_path / "first.log").read_text()
+    assert (
+        "stopped by SIGINT during run grpo-k1-r3-s0; 1 of 2 runs finished and kept"
+        in (tmp_path / "first.log").read_text()
+    )
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # its run stopped too
     kept = first_done.stat().st_mtime_ns, (first_done.parent / "metrics.jsonl").read_bytes()
     done = compare(*args)

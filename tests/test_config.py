@@ -88,10 +88,14 @@ def _problems(overrides, path=TINY):
         (["verifier.by_data_source={openai/gsm8k: mth}"], "verifier.by_data_source.openai/gsm8k = 'mth': unknown"),
         (["verifier.functions={math: 'a:b'}"], "verifier.functions.math: 'math' is a built-in verifier"),
         (["verifier.functions={mine: 'just_a_module'}"], "verifier.functions.mine = 'just_a_module': expected"),
-        (["data.type=file", "data.path=[a.jsonl, b.jsonl]", "data.weights=[1]"],
-         "data.weights = [1.0]: one weight per file in data.path (2)"),
-        (["eval.sets.held.type=file", "eval.sets.held.path=a.jsonl", "eval.sets.held.weights=[0]"],
-         "eval.sets.held.weights = [0.0]: every weight must be > 0"),
+        (
+            ["data.type=file", "data.path=[a.jsonl, b.jsonl]", "data.weights=[1]"],
+            "data.weights = [1.0]: one weight per file in data.path (2)",
+        ),
+        (
+            ["eval.sets.held.type=file", "eval.sets.held.path=a.jsonl", "eval.sets.held.weights=[0]"],
+            "eval.sets.held.weights = [0.0]: every weight must be > 0",
+        ),
         (["data.type=file"], "data.path: required field is missing"),
         (["data.type=file", "data.path=a.jsonl", "data.format=openrlhf"], "data.format = 'openrlhf'"),
         (["eval.n_samples=2", "eval.pass_k=[1, 4]"], "eval.pass_k = [1, 4]: k must be <= eval.n_samples (2)"),
@@ -113,11 +117,22 @@ def test_hf_model_path_errors(tmp_path):
     base = [f"model={{type: hf, path: {tmp_path}}}"]
     assert "no config.json" in _problems(base)[0]
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    assert ("model_type 'llama' in config.json is not supported (supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, "
-            "mixtral, qwen2_moe, qwen3_moe)") in _problems(base)[0]
-    (tmp_path / "config.json").write_text(json.dumps(
-        {"model_type": "qwen3_moe", "num_hidden_layers": 4, "num_attention_heads": 8,
-         "num_key_value_heads": 4, "num_experts": 8, "num_experts_per_tok": 2}))
+    assert (
+        "model_type 'llama' in config.json is not supported (supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, "
+        "mixtral, qwen2_moe, qwen3_moe)"
+    ) in _problems(base)[0]
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "qwen3_moe",
+                "num_hidden_layers": 4,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+            }
+        )
+    )
     assert load_config(TINY, base + ["parallel.ep=8"]).parallel.dp == 8
     assert "must divide the model's 8 experts" in _problems(base + ["parallel.ep=3"])[0]
 
@@ -133,8 +148,9 @@ def test_bad_files(tmp_path):
 
 
 def _cli(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", *args], capture_output=True,
-                          text=True, cwd=REPO, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.cli", *args], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
 
 
 def test_cli_dry_run_prints_resolved_yaml():
@@ -167,11 +183,16 @@ def test_cli_version():
 
 def test_a_dotted_type_override_switches_the_section_s_kind():
     # the YAML's data section is written for the arithmetic kind (num_prompts, max_operand, seed)
-    cfg = load_config(TINY, ["data.path=/x/train.parquet", "data.type=file", "data.format=verl",
-                             "data.system_prompt=Be brief."])
+    cfg = load_config(
+        TINY, ["data.path=/x/train.parquet", "data.type=file", "data.format=verl", "data.system_prompt=Be brief."]
+    )
     assert cfg.data.type == "file" and cfg.data.path == "/x/train.parquet"
     assert (cfg.data.prompt_key, cfg.data.answer_key, cfg.data.verifier_key, cfg.data.id_key) == (
-        "prompt", "reward_model.ground_truth", "ability", "extra_info.index")
+        "prompt",
+        "reward_model.ground_truth",
+        "ability",
+        "extra_info.index",
+    )
     assert cfg.data.system_prompt == "Be brief." and cfg.data.seed == 0  # seed: both kinds have it
     plain = load_config(TINY, ["data.type=file", "data.path=a.jsonl", "data.answer_key=solution.final"])
     assert (plain.data.prompt_key, plain.data.answer_key) == ("prompt", "solution.final")

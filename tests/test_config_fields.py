@@ -70,8 +70,13 @@ def unread(fields) -> list[str]:
     union member. The check is by name: a name two sections share counts as read when
     either is (logging.interval was found unread by hand, and removed)."""
     code = package_code()
-    return sorted({dotted for dotted, name, _ in fields
-                   if name != "type" and not re.search(rf"\.{name}\b|[\"']{name}[\"']", code)})
+    return sorted(
+        {
+            dotted
+            for dotted, name, _ in fields
+            if name != "type" and not re.search(rf"\.{name}\b|[\"']{name}[\"']", code)
+        }
+    )
 
 
 @pytest.mark.parametrize("root", [Config, ResolvedConfig], ids=["Config", "ResolvedConfig"])

@@ -23,10 +23,10 @@ REPO = Path(__file__).resolve().parents[1]
 VOCAB = 96
 SHAPES = {  # every level of every factor; top-1 only without norm_topk_prob (see the refusal test)
     "e4-top2-norm-untied": TinyModel(num_experts=4, num_experts_per_tok=2, norm_topk_prob=True),
-    "e8-top2-norm-tied": TinyModel(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
-                                   tie_word_embeddings=True),
-    "e8-top1-plain-tied": TinyModel(num_experts=8, num_experts_per_tok=1, norm_topk_prob=False,
-                                    tie_word_embeddings=True),
+    "e8-top2-norm-tied": TinyModel(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=True),
+    "e8-top1-plain-tied": TinyModel(
+        num_experts=8, num_experts_per_tok=1, norm_topk_prob=False, tie_word_embeddings=True
+    ),
     "e4-top2-plain-untied": TinyModel(num_experts=4, num_experts_per_tok=2, norm_topk_prob=False),
 }
 FP32_LOGIT_DIFF = 1e-5
@@ -125,8 +125,10 @@ def _real_looking_copy(src: Path, dst: Path, dtype: torch.dtype) -> Path:
 
     shutil.copytree(src, dst)
     generator = torch.Generator().manual_seed(0)
-    tensors = {name: (1 + 0.1 * torch.randn(t.shape, generator=generator) if name.endswith("norm.weight") else t).to(dtype)
-               for name, t in _read_all(dst / "model.safetensors").items()}
+    tensors = {
+        name: (1 + 0.1 * torch.randn(t.shape, generator=generator) if name.endswith("norm.weight") else t).to(dtype)
+        for name, t in _read_all(dst / "model.safetensors").items()
+    }
     save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((dst / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps({**config, "dtype": str(dtype).removeprefix("torch.")}))
@@ -156,8 +158,10 @@ def test_fp32_to_bf16_megatron_comes_back_bitwise_in_bf16_or_in_the_dtype_asked(
     wide = _cli("mcore-to-hf", "--ckpt", str(tmp_path / "mcore"), "--out", str(tmp_path / "hf32"), "--dtype", "fp32")
     assert wide.returncode == 0, wide.stderr
     assert "bitwise equal to the source in bfloat16, then float32" in wide.stdout
-    assert all(t.dtype == torch.float32 and torch.equal(t, source[n].to(torch.bfloat16).float())
-               for n, t in _read_dir(tmp_path / "hf32").items())
+    assert all(
+        t.dtype == torch.float32 and torch.equal(t, source[n].to(torch.bfloat16).float())
+        for n, t in _read_dir(tmp_path / "hf32").items()
+    )
     assert json.loads((tmp_path / "hf32" / "config.json").read_text())["dtype"] == "float32"
 
 
@@ -176,20 +180,22 @@ def test_bf16_round_trip_is_bitwise_and_fp32_megatron_exports_bf16_when_asked(so
     assert narrow["bitwise_equal"] == narrow["tensors"] and narrow["max_logit_diff"] <= narrow["logit_tolerance"]
     assert narrow["compared_as"] == "float32, then bfloat16"
     source = _read_all(src32 / "model.safetensors")
-    assert all(t.dtype == torch.bfloat16 and torch.equal(t, source[n].to(torch.bfloat16))
-               for n, t in _read_dir(tmp_path / "narrow").items())
+    assert all(
+        t.dtype == torch.bfloat16 and torch.equal(t, source[n].to(torch.bfloat16))
+        for n, t in _read_dir(tmp_path / "narrow").items()
+    )
 
 
 def test_learner_starts_from_a_converted_checkpoint_and_its_checkpoint_converts_back(
-        sources, tp2_ep2, tmp_path, monkeypatch):
+    sources, tp2_ep2, tmp_path, monkeypatch
+):
     """Converted by TP2+EP2, trained at world 1 from a directory without weights, exported."""
     src = sources["e4-top2-norm-untied"]
     config_only = tmp_path / "config-only"
     shutil.copytree(tp2_ep2[0] / "hf", config_only)
     monkeypatch.setattr(distributed, "WORKER", Path(__file__).with_name("convert_worker.py"))
     learner_ckpt = tmp_path / "learner-ckpt"
-    result = distributed.run_ranks(1, [str(config_only), str(tp2_ep2[0]), str(src), str(learner_ckpt)],
-                                   tmp_path)[0]
+    result = distributed.run_ranks(1, [str(config_only), str(tp2_ep2[0]), str(src), str(learner_ckpt)], tmp_path)[0]
     assert result["logprob_max_diff_vs_reference"] <= 1e-5 and result["export_equals_reference"]
     # the learner's own checkpoint (with optimizer state) carries no HF config: --hf-config gives it
     with pytest.raises(ConvertError, match="pass --hf-config"):
@@ -210,12 +216,16 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- refusals
 def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "convert", *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.cli", "convert", *args],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=300,
+    )
 
 
-def _edited_copy(src: Path, dst: Path, drop: str | None = None, add: str | None = None,
-                 **config) -> Path:
+def _edited_copy(src: Path, dst: Path, drop: str | None = None, add: str | None = None, **config) -> Path:
     """A copy of an HF checkpoint with one tensor dropped or added, or config.json fields changed."""
     from safetensors.torch import save_file
 
@@ -239,7 +249,8 @@ def test_a_removed_tensor_is_named_in_one_line_exit_2(sources, tmp_path):
     out = _cli("hf-to-mcore", "--hf", str(src), "--out", str(tmp_path / "out"))
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"megatron-rlvr convert: tensor {missing!r} is missing from the checkpoint"]
+        f"megatron-rlvr convert: tensor {missing!r} is missing from the checkpoint"
+    ]
     assert not (tmp_path / "out").exists()  # a refused conversion leaves nothing behind
 
 
@@ -260,10 +271,17 @@ def test_a_config_that_disagrees_with_the_checkpoint_is_named(sources, world1, t
         mcore_to_hf(ckpt, tmp_path / "out", hf_config=top1)
 
 
-@pytest.mark.parametrize("change, error", [
-    ({"num_experts": 8}, r"tensor decoder\.layers\.mlp\.router\.weight is \[2, 4, 64\] in checkpoint .* but \[2, 8, 64\]"),
-    ({"tie_word_embeddings": True}, r"holds tensor output_layer\.weight \[96, 64\] that this model lacks"),
-], ids=["experts", "tied"])
+@pytest.mark.parametrize(
+    "change, error",
+    [
+        (
+            {"num_experts": 8},
+            r"tensor decoder\.layers\.mlp\.router\.weight is \[2, 4, 64\] in checkpoint .* but \[2, 8, 64\]",
+        ),
+        ({"tie_word_embeddings": True}, r"holds tensor output_layer\.weight \[96, 64\] that this model lacks"),
+    ],
+    ids=["experts", "tied"],
+)
 def test_a_checkpoint_without_its_config_is_checked_tensor_by_tensor(change, error, sources, world1, tmp_path):
     bare = tmp_path / "bare"
     shutil.copytree(world1("e4-top2-norm-untied")[0], bare, ignore=shutil.ignore_patterns("hf", "convert.json"))
@@ -281,8 +299,11 @@ def test_top1_with_renormalised_weights_is_refused_in_one_line(sources, tmp_path
 
 def test_unasked_rounding_is_refused_naming_a_tensor(sources, tmp_path):
     src = _edited_copy(sources["e4-top2-norm-untied"], tmp_path / "src", dtype="bfloat16")
-    with pytest.raises(ConvertError, match=r"lm_head\.weight is float32 in .* declares bfloat16: "
-                                           r"converting would round it; pass --dtype bf16"):
+    with pytest.raises(
+        ConvertError,
+        match=r"lm_head\.weight is float32 in .* declares bfloat16: "
+        r"converting would round it; pass --dtype bf16",
+    ):
         hf_to_mcore(src, tmp_path / "out")
 
 
@@ -290,7 +311,10 @@ def test_unsupported_architecture_and_occupied_output_are_one_line(sources, tmp_
     llama = _edited_copy(sources["e4-top2-norm-untied"], tmp_path / "llama", model_type="llama")
     out = _cli("hf-to-mcore", "--hf", str(llama), "--out", str(tmp_path / "out"))
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
-    assert "model_type 'llama'" in out.stderr and "supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, mixtral, qwen2_moe, qwen3_moe" in out.stderr
+    assert (
+        "model_type 'llama'" in out.stderr
+        and "supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, mixtral, qwen2_moe, qwen3_moe" in out.stderr
+    )
     with pytest.raises(ConvertError, match="exists and is not empty"):
         hf_to_mcore(sources["e4-top2-norm-untied"], llama)
     with pytest.raises(ConvertError, match="--ep = 3: must divide the model's 4 experts"):
@@ -302,18 +326,26 @@ CONVERT_FAMILIES = ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "moonligh
 
 
 # DeepSeek-V3, the kimi_k2 alias and Mixtral's legacy names by default; the rest under `slow`
-@pytest.mark.parametrize("family", [f if f in ("deepseek_v3", "kimi_k2", "mixtral") else
-                                    pytest.param(f, marks=pytest.mark.slow) for f in CONVERT_FAMILIES])
+@pytest.mark.parametrize(
+    "family",
+    [
+        f if f in ("deepseek_v3", "kimi_k2", "mixtral") else pytest.param(f, marks=pytest.mark.slow)
+        for f in CONVERT_FAMILIES
+    ],
+)
 def test_each_family_round_trips_bitwise_at_world1(family, family_dir, tmp_path):
     src = family_dir(family)
     _assert_round_trip(hf_to_mcore(src, tmp_path / "mcore"), src)  # every tensor and persistent buffer
     _assert_round_trip(mcore_to_hf(tmp_path / "mcore", tmp_path / "hf"), src)
-    assert json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"] == \
-        json.loads((src / "config.json").read_text())["model_type"]  # kimi_k2 stays kimi_k2
+    assert (
+        json.loads((tmp_path / "hf" / "config.json").read_text())["model_type"]
+        == json.loads((src / "config.json").read_text())["model_type"]
+    )  # kimi_k2 stays kimi_k2
 
 
-@pytest.mark.parametrize("family", ["deepseek_v3", *(pytest.param(f, marks=pytest.mark.slow)
-                                                      for f in ("mixtral", "glm4_moe"))])
+@pytest.mark.parametrize(
+    "family", ["deepseek_v3", *(pytest.param(f, marks=pytest.mark.slow) for f in ("mixtral", "glm4_moe"))]
+)
 def test_each_family_round_trips_bitwise_through_ep2(family, family_dir, tmp_path):
     src = family_dir(family)
     _assert_round_trip(hf_to_mcore(src, tmp_path / "mcore", ep=2), src)

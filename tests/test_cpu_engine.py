@@ -32,10 +32,14 @@ def post(engine, path, body=None, timeout=60):
 def test_seeded_sampling_is_reproducible_and_greedy_is_argmax(engine, tiny_hf_dir):
     body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 6, "sampling_seed": 5}}
     assert post(engine, "/generate", body).json()["output_ids"] == post(engine, "/generate", body).json()["output_ids"]
-    greedy = post(engine, "/generate", {"input_ids": [1, 2, 3], "return_logprob": True,
-                                        "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    greedy = post(
+        engine,
+        "/generate",
+        {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {"max_new_tokens": 4, "temperature": 0}},
+    ).json()
     logp, _ = hf_teacher_forced(tiny_hf_dir, [1, 2, 3], greedy["output_ids"], 0.0)
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(str(tiny_hf_dir))
     with torch.no_grad():
         logits = model(torch.tensor([[1, 2, 3] + greedy["output_ids"]])).logits[0, 2:-1]
@@ -95,7 +99,10 @@ def test_pause_abort_ends_running_requests(engine):
         ({"input_ids": [1], "sampling_params": {"temperatur": 1.0}}, "sampling_params.temperatur: unknown field"),
         ({"input_ids": [1], "max_tokens": 3}, "max_tokens: unknown field"),
         ({"input_ids": [1], "sampling_params": {"max_new_tokens": "many"}}, "sampling_params.max_new_tokens"),
-        ({"input_ids": list(range(90)) * 6, "sampling_params": {"max_new_tokens": 8}}, "longer than the model's context length"),
+        (
+            {"input_ids": list(range(90)) * 6, "sampling_params": {"max_new_tokens": 8}},
+            "longer than the model's context length",
+        ),
         ({"input_ids": [1, 999]}, "outside the vocabulary"),
         ({"input_ids": []}, "input_ids is empty"),
         ({"text": "hello"}, "no tokenizer"),
@@ -126,22 +133,39 @@ def _update(engine, names, tensors, *, flattened: bool, checksum_ok: bool = True
     group_box = {}
     sender = threading.Thread(target=lambda: group_box.update(g=open_group("127.0.0.1", port, 0, 2, "wg", "gloo")))
     sender.start()
-    joined = post(engine, "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": port,
-                                                         "rank_offset": 1, "world_size": 2, "group_name": "wg",
-                                                         "backend": "gloo"})
+    joined = post(
+        engine,
+        "/init_weights_update_group",
+        {
+            "master_address": "127.0.0.1",
+            "master_port": port,
+            "rank_offset": 1,
+            "world_size": 2,
+            "group_name": "wg",
+            "backend": "gloo",
+        },
+    )
     sender.join(30)
     assert joined.status_code == 200, joined.text
     group = group_box["g"]
     assert post(engine, "/begin_weight_update", {}).status_code == 200
     buffer = torch.cat([t.contiguous().view(-1).view(torch.uint8) for t in tensors])
-    body = {"names": names, "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
-            "shapes": [list(t.shape) for t in tensors], "group_name": "wg", "weight_version": version,
-            "load_format": "flattened_bucket" if flattened else None}
+    body = {
+        "names": names,
+        "dtypes": [str(t.dtype).removeprefix("torch.") for t in tensors],
+        "shapes": [list(t.shape) for t in tensors],
+        "group_name": "wg",
+        "weight_version": version,
+        "load_format": "flattened_bucket" if flattened else None,
+    }
     if flattened:
         body["checksum"] = bucket_checksum(buffer) if checksum_ok else "0" * 64
     reply = {}
-    request = threading.Thread(target=lambda: reply.update(r=post(engine, "/update_weights_from_distributed",
-                                                                  {k: v for k, v in body.items() if v is not None})))
+    request = threading.Thread(
+        target=lambda: reply.update(
+            r=post(engine, "/update_weights_from_distributed", {k: v for k, v in body.items() if v is not None})
+        )
+    )
     request.start()
     if flattened:
         broadcast(group, buffer)
@@ -159,8 +183,11 @@ def test_weight_update_over_a_real_gloo_group(engine, tiny_hf_dir, tmp_path, fla
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(tiny_hf_dir / "model.safetensors"))
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.3.up_proj.weight",
-             "model.layers.0.mlp.gate.weight"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.3.up_proj.weight",
+        "model.layers.0.mlp.gate.weight",
+    ]
     gen = torch.Generator().manual_seed(3 if flattened else 4)
     new = [weights[n] + 0.3 * torch.randn(weights[n].shape, generator=gen) for n in names]
     version = _next_version(engine)
@@ -173,8 +200,11 @@ def test_weight_update_over_a_real_gloo_group(engine, tiny_hf_dir, tmp_path, fla
     for f in ("config.json", "generation_config.json"):
         (updated / f).write_bytes((tiny_hf_dir / f).read_bytes())
     save_file({**weights, **dict(zip(names, new))}, str(updated / "model.safetensors"))
-    row = post(engine, "/generate", {"input_ids": [8, 9, 10], "return_logprob": True,
-                                     "sampling_params": {"max_new_tokens": 6, "sampling_seed": 2}}).json()
+    row = post(
+        engine,
+        "/generate",
+        {"input_ids": [8, 9, 10], "return_logprob": True, "sampling_params": {"max_new_tokens": 6, "sampling_seed": 2}},
+    ).json()
     logp, _ = hf_teacher_forced(updated, [8, 9, 10], row["output_ids"], 1.0)
     got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
     assert (got - logp).abs().max() <= 1e-5
@@ -194,8 +224,11 @@ def test_weight_update_rules(engine, tiny_hf_dir):
     assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == before  # kept, and why:
     stale = _update(engine, [name], [weights[name]], flattened=True, version=before)
     assert stale.status_code == 400 and f"stale weight version {before}" in stale.json()["message"]
-    outside = post(engine, "/update_weights_from_distributed", {"names": [name], "dtypes": ["float32"],
-                                                               "shapes": [[64, 64]], "group_name": "wg"})
+    outside = post(
+        engine,
+        "/update_weights_from_distributed",
+        {"names": [name], "dtypes": ["float32"], "shapes": [[64, 64]], "group_name": "wg"},
+    )
     assert outside.status_code == 400 and "begin_weight_update" in outside.json()["message"]
     assert _update(engine, [name], [weights[name]], flattened=True).status_code == 200
     got = post(engine, "/get_weights_by_name", {"name": name, "truncate_size": 64}).json()
@@ -205,10 +238,15 @@ def test_weight_update_rules(engine, tiny_hf_dir):
 def test_async_client_speaks_the_api(engine):
     async def run():
         client = EngineClient(engine.url)
-        rows = await client.generate(p.GenerateReqInput(input_ids=[[1, 2], [3]], return_logprob=True,
-                                                        sampling_params=p.SamplingParams(max_new_tokens=3)))
+        rows = await client.generate(
+            p.GenerateReqInput(
+                input_ids=[[1, 2], [3]], return_logprob=True, sampling_params=p.SamplingParams(max_new_tokens=3)
+            )
+        )
         assert len(rows) == 2 and all(len(r.meta_info.output_token_logprobs) == 3 for r in rows)
-        single = await client.generate(p.GenerateReqInput(input_ids=[5], sampling_params=p.SamplingParams(max_new_tokens=2)))
+        single = await client.generate(
+            p.GenerateReqInput(input_ids=[5], sampling_params=p.SamplingParams(max_new_tokens=2))
+        )
         assert len(single) == 1
         with pytest.raises(EngineRequestError, match="outside the vocabulary"):
             await client.generate(p.GenerateReqInput(input_ids=[500]))
@@ -236,7 +274,7 @@ def test_routed_experts_equal_hf_routing_and_every_checkpoint_tensor_is_addressa
     engine = CpuEngine(str(model_dir))
     try:
         prompt = [5, 17, 3, 42, 8]
-        seq, = engine.submit(prompt, p.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), None)
+        (seq,) = engine.submit(prompt, p.SamplingParams(max_new_tokens=6, temperature=0.0, ignore_eos=True), None)
         seq = seq.future.result(timeout=120)
     finally:
         engine.stop()
@@ -260,14 +298,21 @@ def test_gpt_oss_routed_experts_come_from_its_router_and_match_hf(tiny_gpt_oss_d
     proc = start_engine(tiny_gpt_oss_dir, tmp_path)
     try:
         prompt = [5, 17, 3, 44, 9, 21, 60]  # longer than the sliding window (4)
-        row = post(proc, "/generate", {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-                                       "sampling_params": {"max_new_tokens": 6, "temperature": 0.7}}).json()
+        row = post(
+            proc,
+            "/generate",
+            {
+                "input_ids": prompt,
+                "return_logprob": True,
+                "return_routed_experts": True,
+                "sampling_params": {"max_new_tokens": 6, "temperature": 0.7},
+            },
+        ).json()
         meta = row["meta_info"]
         want_logp, want_routing = hf_teacher_forced(tiny_gpt_oss_dir, prompt, row["output_ids"], 0.7)
         got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         assert (got - want_logp).abs().max() <= 1e-5
-        routing = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4,
-                                        sample=meta["id"])
+        routing = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4, sample=meta["id"])
         assert np.array_equal(routing, want_routing.numpy())
         fused = post(proc, "/get_weights_by_name", {"name": "model.layers.1.mlp.experts.gate_up_proj"}).json()
         assert torch.tensor(fused).shape == (4, 64, 64)

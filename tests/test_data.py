@@ -24,33 +24,49 @@ VERIFIERS = VerifierConfig()
 def write_verl_parquet(path: Path, rows: list[dict]) -> Path:
     """The layout verl's data_preprocess scripts write (gsm8k.py): chat messages, the ground
     truth under reward_model, the index under extra_info."""
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()),
-                                  ("split", pa.string())])),
-    ])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+                ),
+            ),
+        ]
+    )
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
     return path
 
 
 def gsm8k_row(index: int, question: str, answer: str, **overrides) -> dict:
-    row = {"data_source": "openai/gsm8k",
-           "prompt": [{"content": f"{question} Let's think step by step and output the final answer after "
-                                  "\"####\".", "role": "user"}],
-           "ability": "math", "reward_model": {"ground_truth": answer, "style": "rule"},
-           "extra_info": {"answer": f"... #### {answer}", "index": index, "question": question, "split": "train"}}
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [
+            {
+                "content": f'{question} Let\'s think step by step and output the final answer after "####".',
+                "role": "user",
+            }
+        ],
+        "ability": "math",
+        "reward_model": {"ground_truth": answer, "style": "rule"},
+        "extra_info": {"answer": f"... #### {answer}", "index": index, "question": question, "split": "train"},
+    }
     row.update(overrides)
     return row
 
 
 def test_a_verl_parquet_loads_with_only_the_preset_named(tmp_path):
-    path = write_verl_parquet(tmp_path / "train.parquet", [
-        gsm8k_row(0, "Natalia sold 48 clips in April and half as many in May. How many in all?", "72"),
-        gsm8k_row(1, "Weng earns $12 an hour. How much for 50 minutes?", "10"),
-    ])
+    path = write_verl_parquet(
+        tmp_path / "train.parquet",
+        [
+            gsm8k_row(0, "Natalia sold 48 clips in April and half as many in May. How many in all?", "72"),
+            gsm8k_row(1, "Weng earns $12 an hour. How much for 50 minutes?", "10"),
+        ],
+    )
     cfg = load_config(TINY, ["data.type=file", f"data.path={path}", "data.format=verl"])  # dotted overrides switch kind
     assert cfg.data.answer_key == "reward_model.ground_truth" and cfg.data.id_key == "extra_info.index"
     loaded = load_data(cfg.data, cfg.verifier)
@@ -65,31 +81,43 @@ def test_a_parquet_written_by_verl_s_preprocessing_loads_with_the_preset():
     """tests/data/verl-gsm8k-2rows.parquet was written by HF datasets 5.2.0 the way verl's
     examples/data_preprocess/gsm8k.py writes its files (Dataset.map(process_fn,
     with_indices=True) then Dataset.to_parquet), from two GSM8K training problems."""
-    cfg = load_config(TINY, ["data.type=file", f"data.path={REPO / 'tests/data/verl-gsm8k-2rows.parquet'}",
-                             "data.format=verl"])
+    cfg = load_config(
+        TINY, ["data.type=file", f"data.path={REPO / 'tests/data/verl-gsm8k-2rows.parquet'}", "data.format=verl"]
+    )
     records = check_inputs(cfg)["data"].records
     assert [(r.prompt_id, r.answer, r.verifier, r.data_source) for r in records] == [
-        ("0", "72", "math", "openai/gsm8k"), ("1", "10", "math", "openai/gsm8k")]
-    assert records[1].prompt == [{"role": "user", "content": "Weng earns $12 an hour for babysitting. Yesterday, she "
-                                  "just did 50 minutes of babysitting. How much did she earn? Let's think step by "
-                                  "step and output the final answer after \"####\"."}]
+        ("0", "72", "math", "openai/gsm8k"),
+        ("1", "10", "math", "openai/gsm8k"),
+    ]
+    assert records[1].prompt == [
+        {
+            "role": "user",
+            "content": "Weng earns $12 an hour for babysitting. Yesterday, she "
+            "just did 50 minutes of babysitting. How much did she earn? Let's think step by "
+            'step and output the final answer after "####".',
+        }
+    ]
     assert records[0].extra["answer"].endswith("#### 72") and records[0].extra["split"] == "train"
 
 
 def test_bad_rows_name_file_and_row_or_are_skipped_and_counted(tmp_path):
-    path = write_verl_parquet(tmp_path / "mixed.parquet", [
-        gsm8k_row(0, "1+1?", "2"),
-        gsm8k_row(1, "2+2?", None),
-        gsm8k_row(2, "3+3?", "6", ability="chemistry"),
-        gsm8k_row(3, "4+4?", "8", prompt=[{"content": "4+4?", "role": "narrator"}]),
-        gsm8k_row(0, "5+5?", "10"),
-    ])
+    path = write_verl_parquet(
+        tmp_path / "mixed.parquet",
+        [
+            gsm8k_row(0, "1+1?", "2"),
+            gsm8k_row(1, "2+2?", None),
+            gsm8k_row(2, "3+3?", "6", ability="chemistry"),
+            gsm8k_row(3, "4+4?", "8", prompt=[{"content": "4+4?", "role": "narrator"}]),
+            gsm8k_row(0, "5+5?", "10"),
+        ],
+    )
     strict = FileData(path=str(path), format="verl")
     strict.fill_keys()
     with pytest.raises(DataError) as err:
         load_data(strict, VERIFIERS)
-    assert str(err.value) == (f"{path}:row 2: missing 'reward_model.ground_truth' "
-                              "(or set data.skip_bad_rows=true to skip bad rows)")
+    assert str(err.value) == (
+        f"{path}:row 2: missing 'reward_model.ground_truth' (or set data.skip_bad_rows=true to skip bad rows)"
+    )
     loaded = load_data(strict, VERIFIERS, skip_bad_rows=True)
     assert [r.prompt_id for r in loaded.records] == ["0"]
     assert loaded.skipped == [
@@ -110,8 +138,13 @@ def test_jsonl_with_strings_messages_and_dotted_keys(tmp_path):
         json.dumps({"prompt": "2+2="}),
         "",
         json.dumps(["a", "list"]),
-        json.dumps({"prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*3="}],
-                    "answer": 9, "meta": {"uid": "q-3"}}),
+        json.dumps(
+            {
+                "prompt": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3*3="}],
+                "answer": 9,
+                "meta": {"uid": "q-3"},
+            }
+        ),
         json.dumps({"prompt": [{"role": "system", "content": "no user turn"}], "answer": 1}),
         json.dumps({"prompt": "write add", "answer": {"inputs": ["1 2"], "outputs": ["3"]}, "verifier": "code"}),
         json.dumps({"prompt": "write add", "answer": {"tests": "nope"}, "verifier": "code"}),
@@ -121,19 +154,29 @@ def test_jsonl_with_strings_messages_and_dotted_keys(tmp_path):
     spec.fill_keys()
     loaded = load_data(spec, VERIFIERS, skip_bad_rows=True)
     assert [(r.prompt_id, r.answer, r.verifier) for r in loaded.records] == [
-        ("prompts.jsonl:1", "2", "math"), ("q-3", "9", "math"),
-        ("prompts.jsonl:8", {"inputs": ["1 2"], "outputs": ["3"]}, "code")]
+        ("prompts.jsonl:1", "2", "math"),
+        ("q-3", "9", "math"),
+        ("prompts.jsonl:8", {"inputs": ["1 2"], "outputs": ["3"]}, "code"),
+    ]
     assert loaded.records[1].prompt[0] == {"role": "system", "content": "Be brief."}
     assert [(where.rsplit(":", 1)[1], why.split(" (")[0]) for where, why in loaded.skipped] == [
-        ("2", "not valid JSON"), ("3", "missing 'answer'"), ("5", "not an object"), ("7", "'prompt' has no user message"),
-        ("9", "'answer' holds no usable code tests: an object with keys ['tests']: expected inputs/outputs, test_list, "
-              "test or input/output")]
+        ("2", "not valid JSON"),
+        ("3", "missing 'answer'"),
+        ("5", "not an object"),
+        ("7", "'prompt' has no user message"),
+        (
+            "9",
+            "'answer' holds no usable code tests: an object with keys ['tests']: expected inputs/outputs, test_list, "
+            "test or input/output",
+        ),
+    ]
 
 
 def test_files_mix_by_weight(tmp_path):
     for name, n in (("a.jsonl", 10), ("b.jsonl", 40)):
-        (tmp_path / name).write_text("".join(json.dumps({"id": i, "prompt": f"{name} {i}", "answer": "1"}) + "\n"
-                                             for i in range(n)))
+        (tmp_path / name).write_text(
+            "".join(json.dumps({"id": i, "prompt": f"{name} {i}", "answer": "1"}) + "\n" for i in range(n))
+        )
     spec = FileData(path=[str(tmp_path / "a.jsonl"), str(tmp_path / "b.jsonl")], weights=[3, 1], seed=1)
     spec.fill_keys()
     records = load_data(spec, VERIFIERS).records
@@ -162,17 +205,34 @@ def test_missing_empty_unreadable_files_are_one_line(tmp_path):
     assert "unsupported file type" in error(tmp_path / "notes.txt")
     (tmp_path / "bad.jsonl").write_text("{oops\n")
     assert error(tmp_path / "bad.jsonl", skip_bad_rows=True).startswith(
-        f"data.path = '{tmp_path}/bad.jsonl': no usable prompts (1 bad rows skipped; first: ")
+        f"data.path = '{tmp_path}/bad.jsonl': no usable prompts (1 bad rows skipped; first: "
+    )
 
 
 def test_the_cli_refuses_bad_data_in_one_line_before_starting_anything(tmp_path):
     (tmp_path / "empty.jsonl").write_text("")
     (tmp_path / "bad.jsonl").write_text(json.dumps({"prompt": "1+1=", "answer": "2"}) + "\n" + '{"prompt": 3}\n')
-    for path, message in ((tmp_path / "missing.jsonl", "no such file"), (tmp_path / "empty.jsonl", "the file is empty"),
-                          (tmp_path / "bad.jsonl", f"{tmp_path}/bad.jsonl:2: 'prompt' must be a string")):
-        done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(TINY), "data.type=file",
-                               f"data.path={path}", f"trainer.output_dir={tmp_path}/run"],
-                              capture_output=True, text=True, timeout=120, cwd=REPO)
+    for path, message in (
+        (tmp_path / "missing.jsonl", "no such file"),
+        (tmp_path / "empty.jsonl", "the file is empty"),
+        (tmp_path / "bad.jsonl", f"{tmp_path}/bad.jsonl:2: 'prompt' must be a string"),
+    ):
+        done = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "megatron_rlvr.cli",
+                "train",
+                str(TINY),
+                "data.type=file",
+                f"data.path={path}",
+                f"trainer.output_dir={tmp_path}/run",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=REPO,
+        )
         assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr
         assert done.stderr.strip().splitlines()[-1].startswith("megatron-rlvr train: ") and message in done.stderr
         assert not (tmp_path / "run").exists()  # nothing started, nothing written

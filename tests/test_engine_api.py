@@ -22,8 +22,14 @@ from megatron_rlvr.weight_sync.syncer import WeightSyncer
 STARTERS = {"cpu": start_engine, "sglang": start_sglang, "sglang_cuda": start_sglang_cuda}
 
 
-@pytest.fixture(scope="module", params=["cpu", pytest.param("sglang", marks=pytest.mark.sglang),
-                                        pytest.param("sglang_cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(
+    scope="module",
+    params=[
+        "cpu",
+        pytest.param("sglang", marks=pytest.mark.sglang),
+        pytest.param("sglang_cuda", marks=pytest.mark.gpu),
+    ],
+)
 def api_engine(request, tiny_hf_dir, tmp_path_factory):
     """The CPU engine, SGLang on CPU, and (scripts/gpu_check.sh) SGLang on a GPU in float32."""
     log_dir = tmp_path_factory.mktemp(f"{request.param}-logs")
@@ -44,8 +50,15 @@ def generate(engine, body, timeout=120):
 
 def test_batch_with_n_samples_logprobs_and_routed_experts_match_hf(api_engine, tiny_hf_dir):
     prompts = [[5, 17, 3, 44, 9], [70, 2]]
-    rows = generate(api_engine, {"input_ids": prompts, "return_logprob": True, "return_routed_experts": True,
-                                 "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "n": 2}})
+    rows = generate(
+        api_engine,
+        {
+            "input_ids": prompts,
+            "return_logprob": True,
+            "return_routed_experts": True,
+            "sampling_params": {"max_new_tokens": 12, "temperature": 0.7, "n": 2},
+        },
+    )
     assert len(rows) == 4  # flat, grouped by prompt in order
     for row, prompt in zip(rows, [prompts[0]] * 2 + [prompts[1]] * 2):
         meta = row["meta_info"]
@@ -54,8 +67,7 @@ def test_batch_with_n_samples_logprobs_and_routed_experts_match_hf(api_engine, t
         want_logp, want_routing = hf_teacher_forced(tiny_hf_dir, prompt, row["output_ids"], 0.7)
         got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
         assert (got - want_logp).abs().max() <= api_engine.tolerance
-        routing = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4,
-                                        sample=meta["id"])
+        routing = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4, sample=meta["id"])
         assert np.array_equal(routing, want_routing.numpy())  # HF's router top-k, order included
 
 
@@ -63,8 +75,10 @@ def test_finish_reasons(api_engine):
     first = generate(api_engine, {"input_ids": [4, 4], "sampling_params": {"max_new_tokens": 3, "temperature": 0}})
     assert first["meta_info"]["finish_reason"] == {**first["meta_info"]["finish_reason"], "type": "length", "length": 3}
     stop_on = first["output_ids"][1]
-    row = generate(api_engine, {"input_ids": [4, 4], "sampling_params": {
-        "max_new_tokens": 3, "temperature": 0, "stop_token_ids": [stop_on]}})
+    row = generate(
+        api_engine,
+        {"input_ids": [4, 4], "sampling_params": {"max_new_tokens": 3, "temperature": 0, "stop_token_ids": [stop_on]}},
+    )
     assert row["meta_info"]["finish_reason"]["type"] == "stop"
     assert row["meta_info"]["finish_reason"]["matched"] == stop_on and row["output_ids"][-1] == stop_on
 
@@ -92,8 +106,12 @@ def test_abort_mid_generation(api_engine):
 async def push_weights(engine, tensors: dict, version: int, **sync_cfg):
     """The learner side of one sync (WeightSyncer over gloo) with `tensors` as `version`."""
     client = EngineClient(engine.url)
-    syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.01, **sync_cfg), initial_version=version - 1,
-                          checksums=engine.kind == "cpu")
+    syncer = WeightSyncer(
+        [client],
+        WeightSyncConfig(bucket_mb=0.01, **sync_cfg),
+        initial_version=version - 1,
+        checksums=engine.kind == "cpu",
+    )
     try:
         await syncer.connect()
         return await syncer.sync(list(tensors.items()), version)
@@ -122,8 +140,11 @@ def test_weight_sync_during_retract_tags_spans_and_changes_the_model(api_engine,
 
     original = load_file(str(tiny_hf_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(5)
-    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.experts.2.down_proj.weight",
-             "model.layers.1.mlp.gate.weight"]
+    names = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.1.mlp.experts.2.down_proj.weight",
+        "model.layers.1.mlp.gate.weight",
+    ]
     new = {n: original[n] + 0.3 * torch.randn(original[n].shape, generator=gen) for n in names}
     thread, box = _in_background(api_engine, {"input_ids": [2, 7, 1], "sampling_params": {}})
 
@@ -137,8 +158,9 @@ def test_weight_sync_during_retract_tags_spans_and_changes_the_model(api_engine,
     assert spans[-1]["end"] == 480
     assert httpx.get(f"{api_engine.url}/model_info").json()["weight_version"] == str(current + 1)
     updated = updated_model_dir(tiny_hf_dir, tmp_path, new)
-    row = generate(api_engine, {"input_ids": [8, 9, 10], "return_logprob": True,
-                                "sampling_params": {"max_new_tokens": 6}})
+    row = generate(
+        api_engine, {"input_ids": [8, 9, 10], "return_logprob": True, "sampling_params": {"max_new_tokens": 6}}
+    )
     logp, _ = hf_teacher_forced(updated, [8, 9, 10], row["output_ids"], 1.0)
     got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
     assert (got - logp).abs().max() <= api_engine.tolerance
@@ -146,8 +168,11 @@ def test_weight_sync_during_retract_tags_spans_and_changes_the_model(api_engine,
 
 
 def test_unknown_field_is_a_4xx_and_the_server_goes_on(api_engine):
-    response = httpx.post(f"{api_engine.url}/generate", json={"input_ids": [1], "sampling_params": {
-        "max_new_tokens": 2, "temperatur": 1.0}}, timeout=30)
+    response = httpx.post(
+        f"{api_engine.url}/generate",
+        json={"input_ids": [1], "sampling_params": {"max_new_tokens": 2, "temperatur": 1.0}},
+        timeout=30,
+    )
     assert 400 <= response.status_code < 500 and "temperatur" in response.text
     assert generate(api_engine, {"input_ids": [1], "sampling_params": {"max_new_tokens": 2}})["output_ids"]
 
@@ -160,15 +185,20 @@ def test_a_repeated_prompt_after_a_sync_is_computed_with_the_new_weights(api_eng
     from safetensors.torch import load_file
 
     prompt = [11, 23, 5, 67, 8, 19, 42, 3, 77, 61, 9, 14]
-    body = {"input_ids": prompt, "return_logprob": True, "return_routed_experts": True,
-            "sampling_params": {"max_new_tokens": 6, "temperature": 1.0}}
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 6, "temperature": 1.0},
+    }
     generate(api_engine, body)
     again = generate(api_engine, body)["meta_info"]
     assert again["cached_tokens"] > 0 if api_engine.kind != "cpu" else again["cached_tokens"] == 0
     original = load_file(str(tiny_hf_dir / "model.safetensors"))
     gen = torch.Generator().manual_seed(11)
-    new = {n: t + 0.5 * torch.randn(t.shape, generator=gen) for n, t in original.items()
-           if n.startswith("model.layers.0.")}  # attention, router and experts of layer 0
+    new = {
+        n: t + 0.5 * torch.randn(t.shape, generator=gen) for n, t in original.items() if n.startswith("model.layers.0.")
+    }  # attention, router and experts of layer 0
     current = int(httpx.get(f"{api_engine.url}/model_info").json()["weight_version"])
     asyncio.run(push_weights(api_engine, new, current + 1))
     row = generate(api_engine, body)

@@ -71,14 +71,20 @@ def test_every_user_error_is_one_line_and_exit_2_from_every_command(command, mon
         for wrapped in (False, True):
             err = make(cls)
             if wrapped:  # raised in a Ray actor: the caller sees RayTaskError(cls) with a traceback
-                err = RayTaskError("LearnerRank.setup", "Traceback (most recent call last):\n  ...", err).as_instanceof_cause()
+                err = RayTaskError(
+                    "LearnerRank.setup", "Traceback (most recent call last):\n  ...", err
+                ).as_instanceof_cause()
 
             def fail(args, err=err):
                 raise err
 
             monkeypatch.setattr(cli, "_run", fail)
-            args = {"train": ["train", "c.yaml"], "convert": ["convert", "hf-to-mcore", "--hf", "x", "--out", "y"],
-                    "submit": ["submit", "c.yaml", "--nodes", "1", "--gpus-per-node", "0"], "compare-replay": ["compare-replay", "c.yaml"]}[command]
+            args = {
+                "train": ["train", "c.yaml"],
+                "convert": ["convert", "hf-to-mcore", "--hf", "x", "--out", "y"],
+                "submit": ["submit", "c.yaml", "--nodes", "1", "--gpus-per-node", "0"],
+                "compare-replay": ["compare-replay", "c.yaml"],
+            }[command]
             assert cli.main(args) == 2, cls
             lines = capsys.readouterr().err.strip().splitlines()
             assert "Traceback" not in "\n".join(lines), cls
@@ -88,19 +94,46 @@ def test_every_user_error_is_one_line_and_exit_2_from_every_command(command, mon
                 assert lines == [f"megatron-rlvr {command}: {cls.__name__} says what is wrong: data/train.jsonl:3"]
 
 
-@pytest.mark.parametrize("argv, says", [
-    (["train", "configs/tiny-moe-cpu.yaml", "rollout.num_engines=0"], "config error: rollout.num_engines"),
-    (["train", "configs/tiny-moe-cpu.yaml", "data.type=file", "data.path=/nonexistent/train.jsonl"],
-     "megatron-rlvr train: data.path"),
-    (["convert", "hf-to-mcore", "--hf", "/nonexistent/model", "--out", "/tmp/never-written"],
-     "megatron-rlvr convert: --hf /nonexistent/model: no config.json there"),
-    (["submit", "configs/tiny-moe-cpu.yaml", "--nodes", "1", "--gpus-per-node", "3", "parallel.device=cuda",
-      "parallel.tp=2"], "megatron-rlvr submit:"),
-])
+@pytest.mark.parametrize(
+    "argv, says",
+    [
+        (["train", "configs/tiny-moe-cpu.yaml", "rollout.num_engines=0"], "config error: rollout.num_engines"),
+        (
+            ["train", "configs/tiny-moe-cpu.yaml", "data.type=file", "data.path=/nonexistent/train.jsonl"],
+            "megatron-rlvr train: data.path",
+        ),
+        (
+            ["convert", "hf-to-mcore", "--hf", "/nonexistent/model", "--out", "/tmp/never-written"],
+            "megatron-rlvr convert: --hf /nonexistent/model: no config.json there",
+        ),
+        (
+            [
+                "submit",
+                "configs/tiny-moe-cpu.yaml",
+                "--nodes",
+                "1",
+                "--gpus-per-node",
+                "3",
+                "parallel.device=cuda",
+                "parallel.tp=2",
+            ],
+            "megatron-rlvr submit:",
+        ),
+    ],
+)
 def test_real_commands_with_bad_input_say_one_line(argv, says, tmp_path):
-    done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", *argv, f"trainer.output_dir={tmp_path}"]
-                          if argv[0] in ("train", "submit") else [sys.executable, "-m", "megatron_rlvr.cli", *argv],
-                          capture_output=True, text=True, timeout=120, cwd=REPO)
-    lines = [line for line in done.stderr.splitlines() if line.strip() and "Warning" not in line
-             and not line.startswith("  warnings.warn")]
+    done = subprocess.run(
+        [sys.executable, "-m", "megatron_rlvr.cli", *argv, f"trainer.output_dir={tmp_path}"]
+        if argv[0] in ("train", "submit")
+        else [sys.executable, "-m", "megatron_rlvr.cli", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+    )
+    lines = [
+        line
+        for line in done.stderr.splitlines()
+        if line.strip() and "Warning" not in line and not line.startswith("  warnings.warn")
+    ]
     assert done.returncode == 2 and len(lines) == 1 and lines[0].startswith(says), done.stderr

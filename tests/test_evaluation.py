@@ -16,16 +16,19 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
 
 
-@pytest.mark.parametrize("n, c, k, expected", [
-    (4, 1, 1, 1 / 4),  # one draw: the fraction correct
-    (4, 1, 2, 1 / 2),  # 1 − C(3,2)/C(4,2) = 1 − 3/6
-    (5, 2, 3, 9 / 10),  # 1 − C(3,3)/C(5,3) = 1 − 1/10
-    (10, 3, 2, 8 / 15),  # 1 − C(7,2)/C(10,2) = 1 − 21/45
-    (16, 0, 8, 0.0),
-    (16, 16, 1, 1.0),
-    (8, 6, 4, 1.0),  # n − c = 2 < k: every draw of 4 holds a correct one
-    (3, 1, 3, 1.0),
-])
+@pytest.mark.parametrize(
+    "n, c, k, expected",
+    [
+        (4, 1, 1, 1 / 4),  # one draw: the fraction correct
+        (4, 1, 2, 1 / 2),  # 1 − C(3,2)/C(4,2) = 1 − 3/6
+        (5, 2, 3, 9 / 10),  # 1 − C(3,3)/C(5,3) = 1 − 1/10
+        (10, 3, 2, 8 / 15),  # 1 − C(7,2)/C(10,2) = 1 − 21/45
+        (16, 0, 8, 0.0),
+        (16, 16, 1, 1.0),
+        (8, 6, 4, 1.0),  # n − c = 2 < k: every draw of 4 holds a correct one
+        (3, 1, 3, 1.0),
+    ],
+)
 def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
     assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12)
 
@@ -43,16 +46,41 @@ def test_eval_config_is_checked():
     assert cfg.eval.sets["held"].num_prompts == 512
 
 
-EVAL = ("eval.sets.held.type=arithmetic", "eval.sets.held.num_prompts=24", "eval.sets.held.seed=7",
-        "eval.n_samples=4", "eval.temperature=1.0", "eval.interval=2")
-SHORT = ("launch.mode=local", "trainer.steps=3", "trainer.save_interval=0", "buffer.batch_groups=4",
-         "rollout.n_samples_per_prompt=4")
+EVAL = (
+    "eval.sets.held.type=arithmetic",
+    "eval.sets.held.num_prompts=24",
+    "eval.sets.held.seed=7",
+    "eval.n_samples=4",
+    "eval.temperature=1.0",
+    "eval.interval=2",
+)
+SHORT = (
+    "launch.mode=local",
+    "trainer.steps=3",
+    "trainer.save_interval=0",
+    "buffer.batch_groups=4",
+    "rollout.n_samples_per_prompt=4",
+)
 
 
 def run(tmp_path, name, *overrides) -> tuple[list[dict], str]:
     out = tmp_path / name
-    done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(TINY), f"trainer.output_dir={out}",
-                           *SHORT, *overrides], capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "train",
+            str(TINY),
+            f"trainer.output_dir={out}",
+            *SHORT,
+            *overrides,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()], done.stderr
 
@@ -62,13 +90,20 @@ def mixed_data(tmp_path) -> tuple[str, ...]:
     never passes) and a function of the user's (distinct characters: rewards that vary, so
     its groups train)."""
     (tmp_path / "my_rewards.py").write_text("def distinct(response, record):\n    return len(set(response)) / 3\n")
-    rows = [{"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(4) for b in range(3)]
-    rows += [{"prompt": "1+2=", "answer": {"inputs": ["1 2"], "outputs": ["3"]}, "verifier": "code"},
-             {"prompt": [{"role": "user", "content": "3*3="}], "verifier": "distinct", "id": "mine"},
-             {"prompt": [{"role": "user", "content": "2*3="}], "verifier": "distinct", "id": "mine too"}]
+    rows = [
+        {"prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)} for a in range(4) for b in range(3)
+    ]
+    rows += [
+        {"prompt": "1+2=", "answer": {"inputs": ["1 2"], "outputs": ["3"]}, "verifier": "code"},
+        {"prompt": [{"role": "user", "content": "3*3="}], "verifier": "distinct", "id": "mine"},
+        {"prompt": [{"role": "user", "content": "2*3="}], "verifier": "distinct", "id": "mine too"},
+    ]
     (tmp_path / "mixed.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
-    return ("data.type=file", f"data.path={tmp_path / 'mixed.jsonl'}",
-            f"verifier.functions.distinct={tmp_path / 'my_rewards.py'}:distinct")
+    return (
+        "data.type=file",
+        f"data.path={tmp_path / 'mixed.jsonl'}",
+        f"verifier.functions.distinct={tmp_path / 'my_rewards.py'}:distinct",
+    )
 
 
 def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
@@ -76,15 +111,18 @@ def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
     with_eval, log = run(tmp_path, "with-eval", *data, *EVAL)
     without, _ = run(tmp_path, "without-eval", *data)
     trained = with_eval[1:]
-    assert {"verifier/code/samples", "verifier/distinct/samples", "verifier/math/samples"} <= {k for m in trained
-                                                                                             for k in m}
-    assert all(m.get("verifier/distinct/scored", 0) == m.get("verifier/distinct/samples", 0)
-               for m in trained)  # every call of the user's function scored, none failed
+    assert {"verifier/code/samples", "verifier/distinct/samples", "verifier/math/samples"} <= {
+        k for m in trained for k in m
+    }
+    assert all(
+        m.get("verifier/distinct/scored", 0) == m.get("verifier/distinct/samples", 0) for m in trained
+    )  # every call of the user's function scored, none failed
     assert with_eval[0]["data/prompts"] == 15 and with_eval[0]["data/skipped_rows"] == 0
     assert [m["step"] for m in with_eval] == [0, 1, 2, 3]
     evaluated = {m["step"]: {k: v for k, v in m.items() if k.startswith("eval/held/")} for m in with_eval}
-    assert set(evaluated[0]) == {f"eval/held/{k}" for k in ("prompts", "pass@1", "pass@4", "avg@4",
-                                                            "response_length", "truncated")}
+    assert set(evaluated[0]) == {
+        f"eval/held/{k}" for k in ("prompts", "pass@1", "pass@4", "avg@4", "response_length", "truncated")
+    }
     assert evaluated[1] == {} and evaluated[2] and evaluated[3]  # step 0, every 2 steps, the end
     for metrics in evaluated.values():
         if metrics:
@@ -108,9 +146,21 @@ def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
         for key in noise:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
 
-    alone = subprocess.run([sys.executable, str(REPO / "tests" / "eval_only.py"), str(TINY),
-                            f"trainer.output_dir={tmp_path / 'alone'}", *SHORT, *data, *EVAL],
-                           capture_output=True, text=True, timeout=600, cwd=REPO)
+    alone = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "tests" / "eval_only.py"),
+            str(TINY),
+            f"trainer.output_dir={tmp_path / 'alone'}",
+            *SHORT,
+            *data,
+            *EVAL,
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert alone.returncode == 0, alone.stderr[-4000:]
     step0 = json.loads(alone.stdout.strip().splitlines()[-1])
     step0.pop("time/eval_s")

@@ -24,8 +24,14 @@ def test_the_gpu_pins_resolve_together():
     done = _pins("bash", "scripts/setup.sh", "--gpu", "--check")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "gpu pins: consistent" in done.stdout
-    for pin in ("torch==2.14.1", "transformers==5.19.0", "sglang==0.5.23", "transformer-engine-torch==2.20.2",
-                "transformer-engine-cu13==2.20.2", "megatron-core==0.16.1"):
+    for pin in (
+        "torch==2.14.1",
+        "transformers==5.19.0",
+        "sglang==0.5.23",
+        "transformer-engine-torch==2.20.2",
+        "transformer-engine-cu13==2.20.2",
+        "megatron-core==0.16.1",
+    ):
         assert pin in done.stdout, done.stdout
     assert "not pinned" not in done.stdout  # the closure in constraints-gpu.txt is complete
 
@@ -43,8 +49,9 @@ STEPS = ["setup", "inventory", "learner-hf", "replay", "checkpoint", "sglang-gpu
 
 
 def test_gpu_check_lists_its_steps_in_order():
-    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], capture_output=True, text=True,
-                          timeout=60, cwd=REPO)
+    done = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
     assert done.returncode == 0, done.stderr
     listed = [line.split(":")[0].split(". ", 1)[1] for line in done.stdout.splitlines() if line[:1].isdigit()]
     assert listed == STEPS
@@ -53,15 +60,26 @@ def test_gpu_check_lists_its_steps_in_order():
 
 
 def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_path):
-    ok = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "ok")],
-                        capture_output=True, text=True, timeout=300, cwd=REPO)
+    ok = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "ok")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert ok.returncode == 0, ok.stderr[-3000:]
     report = json.loads((tmp_path / "ok" / "REPORT.json").read_text())
     assert report["verdict"] == "PASSED" and [s["name"] for s in report["steps"]] == STEPS[1:]
     assert report["steps"][-1]["status"] == "passed"  # submit --dry-run of both recipes ran for real
     env = {**os.environ, "GPU_CHECK_FAIL_AT": "sglang-gpu"}
-    failed = subprocess.run(["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "bad")],
-                            capture_output=True, text=True, timeout=300, cwd=REPO, env=env)
+    failed = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path / "bad")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env=env,
+    )
     assert failed.returncode == 1 and "FAILED at step sglang-gpu" in failed.stderr
     report = json.loads((tmp_path / "bad" / "REPORT.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
@@ -74,6 +92,7 @@ def test_cuda_without_transformer_engine_is_refused_before_any_group_is_made():
     pytest.importorskip("megatron.core")
     try:
         import transformer_engine  # noqa: F401
+
         pytest.skip("transformer-engine is installed here")
     except ImportError:
         pass

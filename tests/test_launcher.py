@@ -21,23 +21,40 @@ SGLANG_CPU = "configs/tiny-moe-sglang-cpu.yaml"
 
 
 def test_cpu_engine_command(tmp_path):
-    proc = engine_process("/models/x", CpuEngine(dtype="bfloat16"), host="127.0.0.1", port=30100,
-                          routed_experts=True, log_dir=tmp_path)
-    assert proc.command[1:] == ["-m", "megatron_rlvr.rollout.server", "--model-path", "/models/x", "--host",
-                                "127.0.0.1", "--port", "30100", "--dtype", "bfloat16",
-                                "--enable-return-routed-experts"]
+    proc = engine_process(
+        "/models/x", CpuEngine(dtype="bfloat16"), host="127.0.0.1", port=30100, routed_experts=True, log_dir=tmp_path
+    )
+    assert proc.command[1:] == [
+        "-m",
+        "megatron_rlvr.rollout.server",
+        "--model-path",
+        "/models/x",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "30100",
+        "--dtype",
+        "bfloat16",
+        "--enable-return-routed-experts",
+    ]
     assert proc.url == "http://127.0.0.1:30100" and proc.log_path == tmp_path / "engine-30100.log"
 
 
 def test_sglang_command_carries_the_layout(monkeypatch, tmp_path):
     monkeypatch.setattr(launcher.importlib.util, "find_spec", lambda name: object())
     engine = SglangEngine(tp=4, ep=4, mem_fraction_static=0.6, extra_args=["--chunked-prefill-size", "4096"])
-    proc = engine_process("/m", engine, host="127.0.0.1", port=30000, routed_experts=True, log_dir=tmp_path,
-                          gpus=[4, 5, 6, 7])
+    proc = engine_process(
+        "/m", engine, host="127.0.0.1", port=30000, routed_experts=True, log_dir=tmp_path, gpus=[4, 5, 6, 7]
+    )
     cmd = proc.command
     assert cmd[:3] == [sys.executable, "-m", "sglang.launch_server"]
-    for flag, value in (("--tp-size", "4"), ("--ep-size", "4"), ("--mem-fraction-static", "0.6"),
-                        ("--dtype", "bfloat16"), ("--weight-version", "0")):
+    for flag, value in (
+        ("--tp-size", "4"),
+        ("--ep-size", "4"),
+        ("--mem-fraction-static", "0.6"),
+        ("--dtype", "bfloat16"),
+        ("--weight-version", "0"),
+    ):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--enable-return-routed-experts" in cmd and "--skip-tokenizer-init" in cmd
     assert cmd[-2:] == ["--chunked-prefill-size", "4096"]  # last, so they override ours
@@ -49,26 +66,39 @@ def test_sglang_command_carries_the_layout(monkeypatch, tmp_path):
 def test_sglang_on_cpu_gets_the_cpu_flags_environment_and_its_own_interpreter(monkeypatch, tmp_path):
     monkeypatch.delenv("SGLANG_CPU_OMP_THREADS_BIND", raising=False)
     monkeypatch.setattr(launcher.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
-    engine = SglangEngine(device="cpu", python="/opt/sglang/bin/python", tp=2, dtype="float32",
-                          extra_args=["--max-total-tokens", "4096"])
+    engine = SglangEngine(
+        device="cpu", python="/opt/sglang/bin/python", tp=2, dtype="float32", extra_args=["--max-total-tokens", "4096"]
+    )
     proc = engine_process("/m", engine, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path)
     cmd = proc.command
     assert cmd[:3] == ["/opt/sglang/bin/python", "-m", "sglang.launch_server"]
-    for flag, value in (("--device", "cpu"), ("--attention-backend", "torch_native"),
-                        ("--sampling-backend", "pytorch"), ("--tp-size", "2")):
+    for flag, value in (
+        ("--device", "cpu"),
+        ("--attention-backend", "torch_native"),
+        ("--sampling-backend", "pytorch"),
+        ("--tp-size", "2"),
+    ):
         assert cmd[cmd.index(flag) + 1] == value
     assert "--sleep-on-idle" in cmd and "--disable-cuda-graph" in cmd
     assert cmd[-2:] == ["--max-total-tokens", "4096"]  # the user's value wins over the launcher's 65536
     assert proc.env == {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_CPU_OMP_THREADS_BIND": "0-1|2-3"}
     monkeypatch.setenv("SGLANG_CPU_OMP_THREADS_BIND", "0|3")  # a user's binding is kept
-    assert "SGLANG_CPU_OMP_THREADS_BIND" not in engine_process(
-        "/m", engine, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path).env
+    assert (
+        "SGLANG_CPU_OMP_THREADS_BIND"
+        not in engine_process("/m", engine, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path).env
+    )
 
 
-@pytest.mark.parametrize("cores, ranks, expected", [
-    ([0, 1], 1, "0-1"), ([0, 1], 2, "0|1"), (list(range(16)), 2, "0-7|8-15"), ([3], 2, "3|3"),
-    ([0, 1, 2], 2, "0|1"),
-])
+@pytest.mark.parametrize(
+    "cores, ranks, expected",
+    [
+        ([0, 1], 1, "0-1"),
+        ([0, 1], 2, "0|1"),
+        (list(range(16)), 2, "0-7|8-15"),
+        ([3], 2, "3|3"),
+        ([0, 1, 2], 2, "0|1"),
+    ],
+)
 def test_cpu_binding_gives_each_rank_its_cores(cores, ranks, expected):
     assert cpu_binding(cores, ranks) == expected
 
@@ -95,18 +125,35 @@ def _problems(overrides, path=TINY):
 SGLANG = ["rollout.engine.type=sglang", "rollout.engine.device=cpu"]
 
 
-@pytest.mark.parametrize("overrides, expected", [
-    (SGLANG + ["weight_sync.checksum=true"], "weight_sync.checksum = true: SGLang has no per-bucket checksum"),
-    (SGLANG + ["weight_sync.pause_mode=in_place"], "weight_sync.pause_mode = in_place: SGLang cannot flush"),
-    (SGLANG + ["weight_sync.backend=nccl"], "weight_sync.backend = nccl: NCCL needs parallel.device = cuda"),
-    (SGLANG + ["rollout.engine.tp=2", "rollout.engine.ep=4"], "rollout.engine.ep = 4: must divide"),
-    (SGLANG + ["rollout.engine.gpus=[0]"], "rollout.engine.gpus: only for launch.mode = local"),
-    (["rollout.engine.type=sglang", "parallel.device=cuda", "launch.mode=local", "rollout.num_engines=2",
-      "rollout.engine.gpus=[1]"], "rollout.engine.gpus = [1]: needs rollout.num_engines × rollout.engine.tp = 2"),
-    (["parallel.device=cuda", "weight_sync.backend=nccl"], "weight_sync.backend = nccl: the engines run on CPU"),
-    (SGLANG + [f"rollout.engine.python={sys.executable}"], "has no SGLang (build one with bash scripts/setup_sglang_cpu.sh"),
-    (SGLANG + ["rollout.engine.python=/nonexistent/python"], "rollout.engine.python = '/nonexistent/python': cannot run it"),
-])
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (SGLANG + ["weight_sync.checksum=true"], "weight_sync.checksum = true: SGLang has no per-bucket checksum"),
+        (SGLANG + ["weight_sync.pause_mode=in_place"], "weight_sync.pause_mode = in_place: SGLang cannot flush"),
+        (SGLANG + ["weight_sync.backend=nccl"], "weight_sync.backend = nccl: NCCL needs parallel.device = cuda"),
+        (SGLANG + ["rollout.engine.tp=2", "rollout.engine.ep=4"], "rollout.engine.ep = 4: must divide"),
+        (SGLANG + ["rollout.engine.gpus=[0]"], "rollout.engine.gpus: only for launch.mode = local"),
+        (
+            [
+                "rollout.engine.type=sglang",
+                "parallel.device=cuda",
+                "launch.mode=local",
+                "rollout.num_engines=2",
+                "rollout.engine.gpus=[1]",
+            ],
+            "rollout.engine.gpus = [1]: needs rollout.num_engines × rollout.engine.tp = 2",
+        ),
+        (["parallel.device=cuda", "weight_sync.backend=nccl"], "weight_sync.backend = nccl: the engines run on CPU"),
+        (
+            SGLANG + [f"rollout.engine.python={sys.executable}"],
+            "has no SGLang (build one with bash scripts/setup_sglang_cpu.sh",
+        ),
+        (
+            SGLANG + ["rollout.engine.python=/nonexistent/python"],
+            "rollout.engine.python = '/nonexistent/python': cannot run it",
+        ),
+    ],
+)
 def test_what_an_engine_cannot_honour_is_one_line_naming_the_field(overrides, expected):
     problems = _problems(overrides)
     assert any(expected in line for line in problems), problems
@@ -128,14 +175,17 @@ def test_resolve_fills_what_depends_on_the_engine():
     assert (gpu.weight_sync.checksum, gpu.weight_sync.backend, gpu.weight_sync.parity_tolerance) == (False, "nccl", 0.5)
     off = load_config(TINY, ["weight_sync.parity_tolerance=null"])
     assert off.weight_sync.parity_tolerance is None
-    in_place = load_config(TINY, SGLANG + ["weight_sync.pause_mode=in_place",
-                                           "rollout.engine.extra_args=[--disable-radix-cache]"])
+    in_place = load_config(
+        TINY, SGLANG + ["weight_sync.pause_mode=in_place", "rollout.engine.extra_args=[--disable-radix-cache]"]
+    )
     assert in_place.weight_sync.pause_mode == "in_place"
 
 
 # --------------------------------------------------------------------------- failures at start
 def test_a_server_that_dies_at_start_is_one_line_naming_engine_reason_and_log(tmp_path):
-    script = "import sys; print('loading'); print('launch_server.py: error: unrecognized arguments: --bogus'); sys.exit(2)"
+    script = (
+        "import sys; print('loading'); print('launch_server.py: error: unrecognized arguments: --bogus'); sys.exit(2)"
+    )
     proc = ServerProcess([sys.executable, "-c", script], "127.0.0.1", 1, tmp_path / "x.log", name="engine 3 (sglang)")
     with pytest.raises(EngineStartError) as err:
         proc.start(ready_timeout_s=30)
@@ -147,8 +197,10 @@ def test_a_server_that_dies_at_start_is_one_line_naming_engine_reason_and_log(tm
 
 def test_failure_reason_picks_the_error_line(tmp_path):
     log = tmp_path / "l.log"
-    log.write_text("INFO start\nTraceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
-                   "[2026] Received sigquit from a child process.\n")
+    log.write_text(
+        "INFO start\nTraceback (most recent call last):\n  File x\nOSError: [Errno 98] Address already in use\n"
+        "[2026] Received sigquit from a child process.\n"
+    )
     assert failure_reason(log) == "OSError: [Errno 98] Address already in use"
 
 
@@ -203,19 +255,26 @@ def test_a_taken_port_is_refused_before_anything_starts(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        proc = ServerProcess([sys.executable, "-c", "raise SystemExit(0)"], "127.0.0.1", port, tmp_path / "p.log",
-                             name="engine 1 (cpu)")
-        with pytest.raises(EngineStartError, match=rf"^engine 1 \(cpu\) \(http://127.0.0.1:{port}\) cannot start: "
-                                                   rf"port {port} is in use; log: .*p.log$"):
+        proc = ServerProcess(
+            [sys.executable, "-c", "raise SystemExit(0)"], "127.0.0.1", port, tmp_path / "p.log", name="engine 1 (cpu)"
+        )
+        with pytest.raises(
+            EngineStartError,
+            match=rf"^engine 1 \(cpu\) \(http://127.0.0.1:{port}\) cannot start: "
+            rf"port {port} is in use; log: .*p.log$",
+        ):
             proc.start()
     assert proc.proc is None  # nothing was started
 
 
 def test_a_fatal_log_line_fails_the_start_although_the_process_lives(tmp_path):
-    script = ("import time; print('ERROR:    [Errno 98] error while attempting to bind on address: address already "
-              "in use', flush=True); time.sleep(600)")
-    proc = ServerProcess([sys.executable, "-c", script], "127.0.0.1", 9, tmp_path / "f.log", name="engine 0",
-                         check_port=False)
+    script = (
+        "import time; print('ERROR:    [Errno 98] error while attempting to bind on address: address already "
+        "in use', flush=True); time.sleep(600)"
+    )
+    proc = ServerProcess(
+        [sys.executable, "-c", script], "127.0.0.1", 9, tmp_path / "f.log", name="engine 0", check_port=False
+    )
     started = time.monotonic()
     with pytest.raises(EngineStartError, match="failed to start: .*address already in use; log: "):
         proc.start(ready_timeout_s=120)

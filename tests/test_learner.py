@@ -1,7 +1,6 @@
 """The Megatron-Core learner in real gloo worlds of 1 and 2 processes on tiny Qwen3-MoE (and, for
 parity, gpt-oss) models built here: parity with HF transformers and with world size 1, export, checkpoints, descent."""
 
-
 import pytest
 import torch
 from distributed import run_ranks
@@ -128,16 +127,21 @@ def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
     # GSPO's own clip range (±4e-4 on the sequence ratio) bounds how far its loss can move on
     # a fixed batch; a wide clip lets the test see its gradient drive the loss down.
     clip = ["algo.clip_low=0.2", "algo.clip_high=0.2"] if kind == "gspo" else []
-    losses = run_ranks(1, ["descent", str(tiny_hf_dir), f"algo.kind={kind}", "trainer.lr=3e-3",
-                           "algo.num_minibatches=1", *clip], tmp_path)[0]["losses"]
+    losses = run_ranks(
+        1,
+        ["descent", str(tiny_hf_dir), f"algo.kind={kind}", "trainer.lr=3e-3", "algo.num_minibatches=1", *clip],
+        tmp_path,
+    )[0]["losses"]
     assert losses[-1] < losses[0] - 1e-3, losses
     assert all(b <= a + 1e-6 for a, b in zip(losses, losses[1:])), losses
 
 
-@pytest.mark.parametrize("layout", [[], LAYOUTS["tp2-sp"], pytest.param(["parallel.device=cuda"], marks=pytest.mark.gpu)],
-                         ids=["world1", "tp2", "cuda"])
-def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed_form(layout, tiny_hf_dir,
-                                                                                       tmp_path):
+@pytest.mark.parametrize(
+    "layout",
+    [[], LAYOUTS["tp2-sp"], pytest.param(["parallel.device=cuda"], marks=pytest.mark.gpu)],
+    ids=["world1", "tp2", "cuda"],
+)
+def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed_form(layout, tiny_hf_dir, tmp_path):
     for r in run_ranks(2 if layout else 1, ["entropy", str(tiny_hf_dir), *layout], tmp_path):
         for rows, d in r.items():
             assert d["logprob_diff"] <= 1e-5 and d["value_diff"] <= 1e-5 and d["grad_diff"] <= 1e-6, (rows, d)
@@ -146,9 +150,11 @@ def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed
 def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_path):
     def entropies(coef: float) -> list[float]:
         (tmp_path / str(coef)).mkdir()
-        return run_ranks(1, ["descent", str(tiny_hf_dir), "trainer.lr=3e-3", "algo.num_minibatches=1",
-                                      f"algo.entropy_coef={coef}"],
-                         tmp_path / str(coef))[0]["entropies"]
+        return run_ranks(
+            1,
+            ["descent", str(tiny_hf_dir), "trainer.lr=3e-3", "algo.num_minibatches=1", f"algo.entropy_coef={coef}"],
+            tmp_path / str(coef),
+        )[0]["entropies"]
 
     plain, bonus = entropies(0.0), entropies(1.0)
     assert plain[0] == pytest.approx(bonus[0])  # same start
@@ -159,9 +165,11 @@ def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_pat
 # Every family in world 1; DeepSeek-V3 (group-limited routing, score bias, MLA, YaRN) also in
 # the 2-process layouts by default, the others under `slow`.
 FAMILIES = ["qwen2_moe", "mixtral", "glm4_moe", "deepseek_v3", "moonlight", "kimi_k2"]
-FAMILY_LAYOUTS = [pytest.param(f, layout, marks=() if f == "deepseek_v3" else pytest.mark.slow,
-                               id=f"{f}-{layout}")
-                  for f in ("deepseek_v3", "glm4_moe", "qwen2_moe", "mixtral") for layout in ("ep2", "tp2-sp")]
+FAMILY_LAYOUTS = [
+    pytest.param(f, layout, marks=() if f == "deepseek_v3" else pytest.mark.slow, id=f"{f}-{layout}")
+    for f in ("deepseek_v3", "glm4_moe", "qwen2_moe", "mixtral")
+    for layout in ("ep2", "tp2-sp")
+]
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -193,8 +201,7 @@ def test_deepseek_mtp_layer_is_skipped_on_purpose_and_said_in_the_log(tmp_path):
 
 
 def test_expert_bias_moves_only_when_asked(family_dir, tmp_path):
-    r = run_ranks(1, ["parity", str(family_dir("deepseek_v3")), "trainer.expert_bias_update_rate=0.01"],
-                  tmp_path)[0]
+    r = run_ranks(1, ["parity", str(family_dir("deepseek_v3")), "trainer.expert_bias_update_rate=0.01"], tmp_path)[0]
     assert r["expert_bias_moved"]
 
 

@@ -21,7 +21,10 @@ def test_the_config_accepts_exactly_the_architectures_the_learner_builds():
 
 def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
-    with pytest.raises(UnsupportedArchitecture, match=r"'llama' .* not supported \(supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, mixtral, qwen2_moe, qwen3_moe\)"):
+    with pytest.raises(
+        UnsupportedArchitecture,
+        match=r"'llama' .* not supported \(supported: deepseek_v3, glm4_moe, gpt_oss, kimi_k2, mixtral, qwen2_moe, qwen3_moe\)",
+    ):
         read_hf_config(tmp_path)
 
 

@@ -57,11 +57,12 @@ def test_grpo_log_ratio_is_clamped():
 def test_gspo_sequence_ratio_value_and_gradient_match_the_paper():
     torch.manual_seed(0)
     logprobs = (torch.randn(3, 5, dtype=torch.float64) * 0.01 - 1.0).requires_grad_(True)
-    old = (logprobs.detach() + torch.randn(3, 5, dtype=torch.float64) * 1e-4)
+    old = logprobs.detach() + torch.randn(3, 5, dtype=torch.float64) * 1e-4
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 0, 0, 0, 0]], dtype=torch.float64)
     adv = torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64)
-    loss, m = policy_loss(logprobs, old, adv, mask, kind="gspo", clip_low=3e-4, clip_high=4e-4,
-                          agg="seq-mean-token-mean")
+    loss, m = policy_loss(
+        logprobs, old, adv, mask, kind="gspo", clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean"
+    )
     # GSPO: J = mean_i A_i · s_i with s_i = exp(mean_t (logπ − logπ_old)) (no clip active here)
     lp = logprobs.detach().clone().requires_grad_(True)
     seq_ratio = torch.exp(((lp - old) * mask).sum(-1) / mask.sum(-1))
@@ -77,8 +78,9 @@ def test_gspo_clips_whole_sequences():
     # sequence 0: mean log-ratio 0.01 → s = 1.01 > 1 + 4e-4 : clipped for A > 0 (no gradient)
     logprobs = torch.tensor([[0.02, 0.0], [1e-4, -1e-4]], dtype=torch.float64, requires_grad=True)
     old = torch.zeros(2, 2, dtype=torch.float64)
-    loss, m = policy_loss(logprobs, old, torch.tensor([1.0, 1.0]), torch.ones(2, 2), kind="gspo",
-                          clip_low=3e-4, clip_high=4e-4)
+    loss, m = policy_loss(
+        logprobs, old, torch.tensor([1.0, 1.0]), torch.ones(2, 2), kind="gspo", clip_low=3e-4, clip_high=4e-4
+    )
     assert m["clipfrac"].item() == pytest.approx(0.5)
     loss.backward()
     assert torch.equal(logprobs.grad[0], torch.zeros(2, dtype=torch.float64))
@@ -92,8 +94,17 @@ def test_tis_weights_each_token_by_capped_ratio(level):
     logprobs, old, adv = _ratios_batch([[1.0, 1.0, 1.0]], [1.0])
     rollout = torch.tensor([[0.0, math.log(2.0), -math.log(3.0)]], dtype=torch.float64)
     # π_old/π_rollout per token: 1, 0.5, 3 (capped to 2); sequence: 1.5 (under the cap)
-    loss, m = policy_loss(logprobs, old, adv, torch.ones(1, 3), kind="grpo", rollout_logprobs=rollout,
-                          tis_cap=2.0, tis_level=level, **CLIP)
+    loss, m = policy_loss(
+        logprobs,
+        old,
+        adv,
+        torch.ones(1, 3),
+        kind="grpo",
+        rollout_logprobs=rollout,
+        tis_cap=2.0,
+        tis_level=level,
+        **CLIP,
+    )
     weights = [1.0, 0.5, 2.0] if level == "token" else [1.5, 1.5, 1.5]
     assert loss.item() == pytest.approx(-sum(weights) / 3)
     assert m["tis_weight_mean"].item() == pytest.approx(sum(weights) / 3)
@@ -157,8 +168,13 @@ def test_global_normalizer_makes_micro_batches_sum_to_the_full_batch(kind, agg):
     (split_grad,) = torch.autograd.grad(total, logprobs)
     assert total.item() == pytest.approx(full.item(), rel=1e-12)
     torch.testing.assert_close(split_grad, full_grad)
-    naive = sum(policy_loss(logprobs[s], old[s], adv[s], mask[s], kind=kind, agg=agg, **clip)[0]
-                for s in (slice(0, 2), slice(2, 3), slice(3, 6))) / 3
+    naive = (
+        sum(
+            policy_loss(logprobs[s], old[s], adv[s], mask[s], kind=kind, agg=agg, **clip)[0]
+            for s in (slice(0, 2), slice(2, 3), slice(3, 6))
+        )
+        / 3
+    )
     assert naive.item() != pytest.approx(full.item(), rel=1e-6)  # the bug this guards against
 
 
@@ -176,8 +192,9 @@ def test_fully_masked_rows_and_garbage_padding_do_not_leak(kind, agg):
     dirty_old, dirty_rollout = old.clone(), rollout.clone()
     dirty_old[mask == 0] = float("inf")
     dirty_rollout[mask == 0] = float("nan")
-    dirty, m = policy_loss(logprobs, dirty_old, adv, mask, kind=kind, agg=agg, rollout_logprobs=dirty_rollout,
-                           tis_cap=2.0, **CLIP)
+    dirty, m = policy_loss(
+        logprobs, dirty_old, adv, mask, kind=kind, agg=agg, rollout_logprobs=dirty_rollout, tis_cap=2.0, **CLIP
+    )
     (dirty_grad,) = torch.autograd.grad(dirty, logprobs)
     assert torch.isfinite(dirty) and all(torch.isfinite(v).all() for v in m.values())
     assert dirty.item() == pytest.approx(clean.item(), rel=1e-12)
@@ -195,8 +212,9 @@ def test_all_masked_batch_is_zero_with_zero_grad():
 
 def test_token_level_advantages_accepted():
     logprobs, old, _ = _ratios_batch([[1.0, 1.0]], [0.0])
-    loss, _ = policy_loss(logprobs, old, torch.tensor([[1.0, 3.0]], dtype=torch.float64), torch.ones(1, 2),
-                          kind="grpo", **CLIP)
+    loss, _ = policy_loss(
+        logprobs, old, torch.tensor([[1.0, 3.0]], dtype=torch.float64), torch.ones(1, 2), kind="grpo", **CLIP
+    )
     assert loss.item() == pytest.approx(-2.0)
 
 

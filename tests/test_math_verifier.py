@@ -42,8 +42,7 @@ def test_the_labelled_set_covers_every_family_both_ways():
 
 def test_every_labelled_case(verifier):
     verdicts = verifier.verify_batch([c["response"] for c in CASES], [c["gold"] for c in CASES])
-    wrong = [(c["tag"], c["response"][-60:], c["gold"][:60], v) for c, v in zip(CASES, verdicts)
-             if v[0] != c["label"]]
+    wrong = [(c["tag"], c["response"][-60:], c["gold"][:60], v) for c, v in zip(CASES, verdicts) if v[0] != c["label"]]
     assert not wrong, wrong
     assert all(v[0] in (0.0, 1.0) and isinstance(v[1], str) and v[1] for v in verdicts)
 
@@ -61,8 +60,14 @@ def _rewrite(case: dict, kind: int) -> tuple[str, str] | None:
         return None
     if not boxes:
         return None
-    new = [f" {content} ", f"\\displaystyle {content}", f"{{{content}}}", content.replace("\\frac", "\\dfrac"),
-           f"{content}.", content.replace("-", "\u2212")][kind]
+    new = [
+        f" {content} ",
+        f"\\displaystyle {content}",
+        f"{{{content}}}",
+        content.replace("\\frac", "\\dfrac"),
+        f"{content}.",
+        content.replace("-", "\u2212"),
+    ][kind]
     return response[: boxes[0]] + "\\boxed{" + new + "}" + response[end:], gold
 
 
@@ -76,8 +81,9 @@ def test_harmless_rewrites_keep_every_verdict(verifier):
     assert not changed, changed
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c["tag"] == "adversarial"],
-                         ids=lambda c: repr(c["response"][:30]))
+@pytest.mark.parametrize(
+    "case", [c for c in CASES if c["tag"] == "adversarial"], ids=lambda c: repr(c["response"][:30])
+)
 def test_hostile_inputs_return_zero_within_the_timeout(verifier, case):
     start = time.monotonic()
     reward, reason = verifier.verify(case["response"], case["gold"])
@@ -89,8 +95,14 @@ def test_megabyte_and_backtracking_bait_responses_are_read_in_time(verifier):
     # the caller's process has no timeout: every pattern that reads a response must be linear
     start = time.monotonic()
     assert verifier.verify("x" * 1_000_000 + " so the answer is \\boxed{12}", "12") == (1.0, "exact")
-    for bait in ("(" * 500_000 + "$" * 500_000, "\\boxed{" * 200_000, "answer" + " " * 300_000 + "x",
-                 "\\(" * 200_000, "the answer is 5" + " " * 3_000 + "x", "the roots of " + "a" * 500_000 + " are"):
+    for bait in (
+        "(" * 500_000 + "$" * 500_000,
+        "\\boxed{" * 200_000,
+        "answer" + " " * 300_000 + "x",
+        "\\(" * 200_000,
+        "the answer is 5" + " " * 3_000 + "x",
+        "the roots of " + "a" * 500_000 + " are",
+    ):
         assert verifier.verify(bait, "12")[0] == 0.0
     assert time.monotonic() - start < 20
 
@@ -106,17 +118,65 @@ def test_runaway_sympy_is_killed_and_the_pool_recovers(verifier):
 
 def test_sandbox_never_executes_answer_code(verifier, tmp_path):
     marker = tmp_path / "pwned"
-    for attack in (f"\\boxed{{__import__('os').system('touch {marker}')}}", "\\boxed{exec}",
-                   f"The answer is eval(\"open('{marker}', 'w')\")"):
+    for attack in (
+        f"\\boxed{{__import__('os').system('touch {marker}')}}",
+        "\\boxed{exec}",
+        f"The answer is eval(\"open('{marker}', 'w')\")",
+    ):
         assert verifier.verify(attack, "0")[0] == 0.0
     assert not marker.exists()
 
 
 def test_random_garbage_never_raises_and_never_hangs():
-    pieces = ["\\frac", "\\sqrt", "{", "}", "(", ")", "[", "]", "^", "_", "\\boxed{", "1", "x", "e", "2e3", ",",
-              "\\pm", "=", "<", "\\le", "|", "\\{", "\\}", "\\text{ or }", "\\%", "^\\circ", "\\begin{pmatrix}",
-              "&", "\\\\", "\\end{pmatrix}", "\\infty", "\\cup", "!", "\\log_", "\\sin", "-", ".", "\\overline{3}",
-              " ", "\u221a", "\u00b2", "\\left(", "\\right.", "\\TXT{", "\\cr", "0.", "\\binom"]
+    pieces = [
+        "\\frac",
+        "\\sqrt",
+        "{",
+        "}",
+        "(",
+        ")",
+        "[",
+        "]",
+        "^",
+        "_",
+        "\\boxed{",
+        "1",
+        "x",
+        "e",
+        "2e3",
+        ",",
+        "\\pm",
+        "=",
+        "<",
+        "\\le",
+        "|",
+        "\\{",
+        "\\}",
+        "\\text{ or }",
+        "\\%",
+        "^\\circ",
+        "\\begin{pmatrix}",
+        "&",
+        "\\\\",
+        "\\end{pmatrix}",
+        "\\infty",
+        "\\cup",
+        "!",
+        "\\log_",
+        "\\sin",
+        "-",
+        ".",
+        "\\overline{3}",
+        " ",
+        "\u221a",
+        "\u00b2",
+        "\\left(",
+        "\\right.",
+        "\\TXT{",
+        "\\cr",
+        "0.",
+        "\\binom",
+    ]
     rng = random.Random(0)
     start = time.monotonic()
     for _ in range(3000):
@@ -128,13 +188,18 @@ def test_random_garbage_never_raises_and_never_hangs():
 
 def test_reasons_are_counted(verifier):
     before = verifier.stats.copy()
-    verifier.verify_batch(["\\boxed{1}", "no number here", "\\boxed{9^{9^{9^9}}}", "\\boxed{3} or \\boxed{4}"],
-                          ["1", "1", "1", "3"])
+    verifier.verify_batch(
+        ["\\boxed{1}", "no number here", "\\boxed{9^{9^{9^9}}}", "\\boxed{3} or \\boxed{4}"], ["1", "1", "1", "3"]
+    )
     delta = verifier.stats - before
     assert delta == Counter({"exact": 1, "no_answer": 1, "too_large": 1, "hedged": 1})
     # cut off by the token limit: inside <think>, mid-sentence, inside the box, after "the answer is"
-    cut = ["<think>\nSo far 3 + 4 = 7, then", "First, 3 + 4 = 7. " * 8 + "Then we multiply the result by",
-           "Adding up, 3 + 4 = 7, so \\boxed{\\frac{7}{", "We get 3 + 4 = 7. Therefore, the final answer is"]
+    cut = [
+        "<think>\nSo far 3 + 4 = 7, then",
+        "First, 3 + 4 = 7. " * 8 + "Then we multiply the result by",
+        "Adding up, 3 + 4 = 7, so \\boxed{\\frac{7}{",
+        "We get 3 + 4 = 7. Therefore, the final answer is",
+    ]
     assert verifier.verify_batch(cut, ["7"] * 4) == [(0.0, "no_final_answer")] * 4
     assert verifier.stats["no_final_answer"] - before["no_final_answer"] == 4
 
@@ -148,45 +213,51 @@ def test_function_api_and_registry():
     assert verify_math(None, "1") == 0.0  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("response, answers", [
-    ("a \\boxed{1} b \\boxed{\\frac{2}{3}} c", ["\\frac{2}{3}"]),
-    ("The roots are $x = \\boxed{3}$ and $x = \\boxed{-4}$.", ["3", "-4"]),
-    ("It is $\\boxed{7}$. Alternatively, counting endpoints, it is $\\boxed{9}$.", ["7", "9"]),
-    ("It is $\\boxed{7}$. Wait, I made a mistake: it is actually $\\boxed{9}$.", ["9"]),
-    ("<think>maybe \\boxed{5}</think>\nThe answer is 6.", ["6"]),
-    ("The answer is 12. Done.", ["12"]),
-    ("Final Answer: The final answer is $3.5$. I hope it is correct.", ["3.5"]),
-    ("The solutions are $x=1$ and $x=5$.", ["x=1", "x=5"]),
-    ("She pays $3 each.\n#### 1,234", ["1,234"]),
-    ("x=1 then y = -3.5 in the end", ["-3.5"]),
-    ("so we get $x = \\frac{1}{2}$", ["x = \\frac{1}{2}"]),
-    ("\\boxed{\\boxed{4}}", ["4"]),
-])
+@pytest.mark.parametrize(
+    "response, answers",
+    [
+        ("a \\boxed{1} b \\boxed{\\frac{2}{3}} c", ["\\frac{2}{3}"]),
+        ("The roots are $x = \\boxed{3}$ and $x = \\boxed{-4}$.", ["3", "-4"]),
+        ("It is $\\boxed{7}$. Alternatively, counting endpoints, it is $\\boxed{9}$.", ["7", "9"]),
+        ("It is $\\boxed{7}$. Wait, I made a mistake: it is actually $\\boxed{9}$.", ["9"]),
+        ("<think>maybe \\boxed{5}</think>\nThe answer is 6.", ["6"]),
+        ("The answer is 12. Done.", ["12"]),
+        ("Final Answer: The final answer is $3.5$. I hope it is correct.", ["3.5"]),
+        ("The solutions are $x=1$ and $x=5$.", ["x=1", "x=5"]),
+        ("She pays $3 each.\n#### 1,234", ["1,234"]),
+        ("x=1 then y = -3.5 in the end", ["-3.5"]),
+        ("so we get $x = \\frac{1}{2}$", ["x = \\frac{1}{2}"]),
+        ("\\boxed{\\boxed{4}}", ["4"]),
+    ],
+)
 def test_where_the_final_answer_is(response, answers):
     assert extract_answers(response) == answers
 
 
-@pytest.mark.parametrize("answer, cleaned", [
-    ("\\$1{,}234.50", "1234.50"),
-    ("1\\,000\\,000", "1000000"),
-    ("\\left( 1, 2 \\right)", "( 1, 2 )"),
-    ("x = \\dfrac{1}{2}", "x = \\frac{1}{2}"),
-    ("{3 \\over 4}", "\\frac{3 }{ 4}"),
-    ("12\\text{ m}^2", "12 \\TXT{m} ^2"),
-    ("\u22125 \u00d7 \u221a3", "-5 \\times \\sqrt{3}"),
-    ("45^{\\circ}", "45 \\deg"),
-    ("]-\\infty; 3[", "(-\\infty, 3)"),
-    ("(1, 2) U [3, 4]", "(1, 2) \\cup [3, 4]"),
-    ("{}_5C_2", "\\binom{5}{2}"),
-    ("C(7, 3)", "\\binom{7}{3}"),
-    ("\\hat{\\imath} - 2\\mathbf{k}", "\\hat{i} - 2 \\hat{k}"),
-    ("4.8\\text{E-}19", "4.8e-19"),
-    ("2a_{16}", "\\numeral{2A}{16}"),
-    ("(1011)_{\\text{two}}", "\\numeral{1011}{2}"),
-    ("f'(x) = 2x", "f_{p1}(x) = 2x"),
-    ("5'6\"", "66 \\TXT{in}"),
-    ("3\u221a(2) + \u00bd", "3\\sqrt(2) + \\frac{1}{2}"),
-])
+@pytest.mark.parametrize(
+    "answer, cleaned",
+    [
+        ("\\$1{,}234.50", "1234.50"),
+        ("1\\,000\\,000", "1000000"),
+        ("\\left( 1, 2 \\right)", "( 1, 2 )"),
+        ("x = \\dfrac{1}{2}", "x = \\frac{1}{2}"),
+        ("{3 \\over 4}", "\\frac{3 }{ 4}"),
+        ("12\\text{ m}^2", "12 \\TXT{m} ^2"),
+        ("\u22125 \u00d7 \u221a3", "-5 \\times \\sqrt{3}"),
+        ("45^{\\circ}", "45 \\deg"),
+        ("]-\\infty; 3[", "(-\\infty, 3)"),
+        ("(1, 2) U [3, 4]", "(1, 2) \\cup [3, 4]"),
+        ("{}_5C_2", "\\binom{5}{2}"),
+        ("C(7, 3)", "\\binom{7}{3}"),
+        ("\\hat{\\imath} - 2\\mathbf{k}", "\\hat{i} - 2 \\hat{k}"),
+        ("4.8\\text{E-}19", "4.8e-19"),
+        ("2a_{16}", "\\numeral{2A}{16}"),
+        ("(1011)_{\\text{two}}", "\\numeral{1011}{2}"),
+        ("f'(x) = 2x", "f_{p1}(x) = 2x"),
+        ("5'6\"", "66 \\TXT{in}"),
+        ("3\u221a(2) + \u00bd", "3\\sqrt(2) + \\frac{1}{2}"),
+    ],
+)
 def test_cleaning(answer, cleaned):
     assert clean(answer) == cleaned
 
@@ -202,12 +273,14 @@ def test_a_number_literal_never_makes_a_symbol():
 
 def test_the_command_line_tool_shows_the_verdict_and_reason(tmp_path):
     tool = [sys.executable, str(REPO / "tools" / "verify_math.py")]
-    out = subprocess.run(tool + ["The answer is \\boxed{1\\frac{3}{4}}.", "7/4"], capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        tool + ["The answer is \\boxed{1\\frac{3}{4}}.", "7/4"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 0 and out.stdout.split() == ["1.0", "numeric_equal"], out
     (tmp_path / "response.txt").write_text("so x > -1, that is \\boxed{[-1, \\infty)}")
-    out = subprocess.run(tool + ["--response-file", str(tmp_path / "response.txt"), "x > -1"],
-                         capture_output=True, text=True, timeout=60)
+    out = subprocess.run(
+        tool + ["--response-file", str(tmp_path / "response.txt"), "x > -1"], capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 1 and out.stdout.split() == ["0.0", "shape_mismatch"], out
 
 
@@ -220,7 +293,8 @@ def test_a_sandbox_that_cannot_start_fails_fast_instead_of_hanging():
     # 16 MiB of address space is too little for Python to start: every worker dies at once
     with MathVerifier(timeout_s=1.0, num_workers=1, memory_mb=16) as broken:
         start = time.monotonic()
-        verdicts = broken.verify_batch(["\\boxed{\\tan^6 x}", "\\boxed{3}"],
-                                       ["\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1", "3"])
+        verdicts = broken.verify_batch(
+            ["\\boxed{\\tan^6 x}", "\\boxed{3}"], ["\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1", "3"]
+        )
         assert time.monotonic() - start < 30
     assert verdicts == [(0.0, "sandbox_unavailable"), (1.0, "exact")]

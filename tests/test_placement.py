@@ -63,8 +63,12 @@ def test_in_process_components_answer_calls_in_order_and_raise_their_own_errors(
 
 
 def test_closing_tries_every_component_and_reports_the_first_failure():
-    handles = [LocalHandle(Component("a")), LocalHandle(Component("b", fail_close=True)),
-               LocalHandle(Component("c", fail_close=True)), LocalHandle(Component("d"))]
+    handles = [
+        LocalHandle(Component("a")),
+        LocalHandle(Component("b", fail_close=True)),
+        LocalHandle(Component("c", fail_close=True)),
+        LocalHandle(Component("d")),
+    ]
     with pytest.raises(RuntimeError, match="b could not close"):
         close_all(handles, grace_s=0.0)
     assert all(h.obj.closed for h in handles)

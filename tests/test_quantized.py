@@ -31,9 +31,11 @@ def fp8_encode(weight: torch.Tensor, block: int = 128) -> tuple[torch.Tensor, to
     quant = torch.empty(weight.shape, dtype=torch.float8_e4m3fn)
     for i in range(grid[0]):
         for j in range(grid[1]):
-            tile = weight[i * block:(i + 1) * block, j * block:(j + 1) * block].float()
+            tile = weight[i * block : (i + 1) * block, j * block : (j + 1) * block].float()
             scale_inv[i, j] = tile.abs().max().clamp(min=1e-12) / FP8_MAX
-            quant[i * block:(i + 1) * block, j * block:(j + 1) * block] = (tile / scale_inv[i, j]).to(torch.float8_e4m3fn)
+            quant[i * block : (i + 1) * block, j * block : (j + 1) * block] = (tile / scale_inv[i, j]).to(
+                torch.float8_e4m3fn
+            )
     return quant, scale_inv
 
 
@@ -98,14 +100,20 @@ def test_fp8_block_checkpoint_reads_as_its_dequantised_original(tmp_path):
     def encode(name, tensor):
         if name.endswith("proj.weight"):
             quant, scale_inv = fp8_encode(tensor)
-            expected[name] = quant.float() * scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[
-                :tensor.shape[0], :tensor.shape[1]]
+            expected[name] = (
+                quant.float()
+                * scale_inv.repeat_interleave(128, 0).repeat_interleave(128, 1)[: tensor.shape[0], : tensor.shape[1]]
+            )
             return {name: quant, name + "_scale_inv": scale_inv}
         expected[name] = tensor
         return {name: tensor}
 
-    shipped = _rewrite(src, tmp_path / "fp8", {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                                               "weight_block_size": [128, 128]}, encode)
+    shipped = _rewrite(
+        src,
+        tmp_path / "fp8",
+        {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]},
+        encode,
+    )
     assert sum(t.dtype == torch.float8_e4m3fn for t in shipped.values()) > 20
     reader = HFReader(tmp_path / "fp8")
     assert reader.names() == set(expected)
@@ -118,10 +126,12 @@ def test_mxfp4_experts_read_as_their_dequantised_original(tmp_path):
     src = tmp_path / "plain"
     src.mkdir()
     torch.manual_seed(0)
-    tensors = {"model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 96),
-               "model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(4, 96),
-               "model.layers.0.mlp.experts.down_proj": torch.randn(4, 64, 64),
-               "model.layers.0.self_attn.sinks": torch.randn(4)}
+    tensors = {
+        "model.layers.0.mlp.experts.gate_up_proj": torch.randn(4, 64, 96),
+        "model.layers.0.mlp.experts.gate_up_proj_bias": torch.randn(4, 96),
+        "model.layers.0.mlp.experts.down_proj": torch.randn(4, 64, 64),
+        "model.layers.0.self_attn.sinks": torch.randn(4),
+    }
     save_file(tensors, src / "model.safetensors")
     (src / "config.json").write_text("{}")
     expected = {}
@@ -134,8 +144,12 @@ def test_mxfp4_experts_read_as_their_dequantised_original(tmp_path):
         expected[name] = tensor
         return {name: tensor}
 
-    _rewrite(src, tmp_path / "mxfp4", {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
-             encode)
+    _rewrite(
+        src,
+        tmp_path / "mxfp4",
+        {"quant_method": "mxfp4", "modules_to_not_convert": ["model.layers.*.self_attn"]},
+        encode,
+    )
     reader = HFReader(tmp_path / "mxfp4")
     assert reader.names() == set(tensors)
     for name, tensor in expected.items():

@@ -25,19 +25,20 @@ def read_wandb_history(run_dir) -> list[dict]:
     block, pos, pending, rows = 32768, 7, b"", []
     while pos + 7 <= len(data):
         left = block - pos % block
-        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7]) if left >= 7 else (0, 0, 0)
+        _, length, kind = struct.unpack("<IHB", data[pos : pos + 7]) if left >= 7 else (0, 0, 0)
         if left < 7 or (length, kind) == (0, 0):
             pos += left
             continue
-        pending += data[pos + 7:pos + 7 + length]
+        pending += data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         if kind in (1, 4):  # a full record, or the last chunk of one
             record = pb.Record()
             record.ParseFromString(pending)
             pending = b""
             if record.WhichOneof("record_type") == "history":
-                rows.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                             for item in record.history.item})
+                rows.append(
+                    {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+                )
     return rows
 
 
@@ -68,7 +69,8 @@ def test_metrics_reach_jsonl_tensorboard_and_offline_wandb(tmp_path, monkeypatch
     assert [row["_step"] for row in history] == [0, 1, 2, 3]
     for row, line in zip(history, lines):
         assert {k: v for k, v in row.items() if not k.startswith("_")} == pytest.approx(
-            {k: v for k, v in line.items() if k != "step"})
+            {k: v for k, v in line.items() if k != "step"}
+        )
     events = EventAccumulator(str(tmp_path / "tensorboard"))
     events.Reload()
     assert [(e.step, e.value) for e in events.Scalars("eval/held/pass@1")] == [(0, 0.25), (2, pytest.approx(0.6))]

@@ -56,7 +56,9 @@ def test_an_engine_killed_mid_rollout_loses_no_group_and_is_restarted(two_engine
         assert dead.alive
         assert await manager.readmit(1) == [] and 0 in manager.restarted  # still initial weights
         assert await manager.readmit(0) == [0] and not manager.restarted
-        rows = await clients[0].generate(p.GenerateReqInput(input_ids=[1, 2], sampling_params=p.SamplingParams(max_new_tokens=2)))
+        rows = await clients[0].generate(
+            p.GenerateReqInput(input_ids=[1, 2], sampling_params=p.SamplingParams(max_new_tokens=2))
+        )
         assert len(rows[0].output_ids) == 2
         for c in clients:
             await c.close()

@@ -48,11 +48,18 @@ def test_pack_aligns_positions_and_checks_token_counts():
     b = np.ones((4, 3, 2), dtype=np.uint8)  # sample of 5 tokens
     packed = pack_routed_experts([a, b], [3, 5], 6, num_layers=3, top_k=2, sample_ids=["a", "b"])
     assert packed.shape == (2, 6, 3, 2)
-    assert torch.equal(packed[0, :2], torch.from_numpy(a)) and torch.equal(packed[1, :4], torch.ones(4, 3, 2, dtype=torch.uint8))
+    assert torch.equal(packed[0, :2], torch.from_numpy(a)) and torch.equal(
+        packed[1, :4], torch.ones(4, 3, 2, dtype=torch.uint8)
+    )
     assert torch.equal(packed[0, 2:], torch.tensor([0, 1], dtype=torch.uint8).expand(4, 3, 2))  # filler
-    with pytest.raises(RoutedExpertsError, match="sample b: routed_experts covers 4 positions, the sample has 6 tokens"):
+    with pytest.raises(
+        RoutedExpertsError, match="sample b: routed_experts covers 4 positions, the sample has 6 tokens"
+    ):
         pack_routed_experts([a, b], [3, 6], 6, num_layers=3, top_k=2, sample_ids=["a", "b"])
-    with pytest.raises(RoutedExpertsError, match=r"sample a: routed_experts shaped \(2, 3, 2\), the model needs \[positions, 4 layers, top-2\]"):
+    with pytest.raises(
+        RoutedExpertsError,
+        match=r"sample a: routed_experts shaped \(2, 3, 2\), the model needs \[positions, 4 layers, top-2\]",
+    ):
         pack_routed_experts([a], [3], 6, num_layers=4, top_k=2, sample_ids=["a"])
 
 
@@ -65,8 +72,10 @@ def test_local_token_order_is_sequence_major_and_split_for_sequence_parallel():
 
 def test_valid_mask_excludes_the_last_token_and_padding():
     mask = torch.tensor([[0, 0, 1, 1, 0, 0], [0, 1, 1, 1, 1, 1]])
-    assert replay_valid_mask(mask).tolist() == [[True, True, True, False, False, False],
-                                                [True, True, True, True, True, False]]
+    assert replay_valid_mask(mask).tolist() == [
+        [True, True, True, False, False, False],
+        [True, True, True, True, True, False],
+    ]
 
 
 # ----------------------------------------------------------------------------- in the learner
@@ -87,8 +96,14 @@ def test_r2_under_activation_recompute_matches_plain_backward(tiny_hf_dir, tmp_p
     (tmp_path / "plain").mkdir()
     (tmp_path / "recompute").mkdir()
     plain = _run(tmp_path / "plain", 1, "replay-r2", tiny_hf_dir, "algo.routing_replay=r2")
-    recompute = _run(tmp_path / "recompute", 1, "replay-r2", tiny_hf_dir, "algo.routing_replay=r2",
-                     "trainer.recompute_activations=true")
+    recompute = _run(
+        tmp_path / "recompute",
+        1,
+        "replay-r2",
+        tiny_hf_dir,
+        "algo.routing_replay=r2",
+        "trainer.recompute_activations=true",
+    )
     assert recompute[0]["mismatched"] == 0 and recompute[0]["checked"] == plain[0]["checked"]
     for key in ("policy_loss", "grad_norm"):
         assert recompute[0]["metrics"][key] == pytest.approx(plain[0]["metrics"][key], rel=1e-9)
@@ -100,15 +115,26 @@ def test_r2_with_pipeline_and_recompute_equals_world1(tiny_hf_dir, tmp_path):
     (tmp_path / "w1").mkdir()
     (tmp_path / "pp2").mkdir()
     world1 = _run(tmp_path / "w1", 1, "replay-r2", tiny_hf_dir, "algo.routing_replay=r2")[0]
-    for r in _run(tmp_path / "pp2", 2, "replay-r2", tiny_hf_dir, "algo.routing_replay=r2",
-                  "parallel.pp=2", "trainer.recompute_activations=true"):
+    for r in _run(
+        tmp_path / "pp2",
+        2,
+        "replay-r2",
+        tiny_hf_dir,
+        "algo.routing_replay=r2",
+        "parallel.pp=2",
+        "trainer.recompute_activations=true",
+    ):
         assert r["checked"] > 0 and r["mismatched"] == 0
         for key in ("policy_loss", "grad_norm", "routing_agreement"):
             assert r["metrics"][key] == pytest.approx(world1["metrics"][key], rel=1e-5)
 
 
-R3_LAYOUTS = {"world1": (1, []), "ep2": (2, ["parallel.ep=2"]), "tp2-sp": (2, ["parallel.tp=2"]),
-              "pp2": (2, ["parallel.pp=2"])}
+R3_LAYOUTS = {
+    "world1": (1, []),
+    "ep2": (2, ["parallel.ep=2"]),
+    "tp2-sp": (2, ["parallel.tp=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+}
 
 
 @pytest.mark.parametrize("layout", R3_LAYOUTS, ids=list(R3_LAYOUTS))

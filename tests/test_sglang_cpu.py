@@ -46,19 +46,34 @@ def test_sglangs_receiver_posts_our_buckets_dtype_and_count_and_rebuilds_the_ten
     """SGLang's own FlattenedTensorBucket.empty (what its receiver allocates and broadcasts
     into) against our packed buckets, mixed dtypes and odd sizes included."""
     gen = torch.Generator().manual_seed(0)
-    named = [("a.weight", torch.randn(7, 3, generator=gen)), ("b.bias", torch.randn(5, generator=gen)),
-             ("c.weight", torch.randn(4, 9, generator=gen).bfloat16()), ("d", torch.randn(3, generator=gen).bfloat16()),
-             ("e", torch.randn(2, 2, generator=gen).half())]
+    named = [
+        ("a.weight", torch.randn(7, 3, generator=gen)),
+        ("b.bias", torch.randn(5, generator=gen)),
+        ("c.weight", torch.randn(4, 9, generator=gen).bfloat16()),
+        ("d", torch.randn(3, generator=gen).bfloat16()),
+        ("e", torch.randn(2, 2, generator=gen).half()),
+    ]
     for index, bucket in enumerate(buckets(named, max_bytes=1 << 20)):
-        spec = {"names": bucket.names, "dtypes": [bucket.dtype_name] * len(bucket.names), "shapes": bucket.shapes,
-                "buffer": bucket.buffer}
+        spec = {
+            "names": bucket.names,
+            "dtypes": [bucket.dtype_name] * len(bucket.names),
+            "shapes": bucket.shapes,
+            "buffer": bucket.buffer,
+        }
         torch.save(spec, tmp_path / f"spec{index}.pt")
-        done = subprocess.run([sglang_python(), "-c", RECEIVE, str(tmp_path / f"spec{index}.pt"),
-                               str(tmp_path / f"out{index}.pt")], capture_output=True, text=True, timeout=300)
+        done = subprocess.run(
+            [sglang_python(), "-c", RECEIVE, str(tmp_path / f"spec{index}.pt"), str(tmp_path / f"out{index}.pt")],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert done.returncode == 0, done.stderr[-3000:]
         out = torch.load(tmp_path / f"out{index}.pt")
-        assert out["posted"] == {"dtype": str(bucket.buffer.dtype), "numel": bucket.buffer.numel()} == \
-            {"dtype": "torch.uint8", "numel": bucket.nbytes}
+        assert (
+            out["posted"]
+            == {"dtype": str(bucket.buffer.dtype), "numel": bucket.buffer.numel()}
+            == {"dtype": "torch.uint8", "numel": bucket.nbytes}
+        )
         for name in bucket.names:
             assert torch.equal(out["tensors"][name], dict(named)[name])
 
@@ -116,8 +131,12 @@ OWNER = textwrap.dedent("""
 def test_a_server_never_outlives_its_sigkilled_owner(kind, tiny_hf_dir, tmp_path):
     """The owner (a run's process, or an engine actor) dies without any teardown: the
     watchdog beside its server stops the server's whole process group."""
-    owner = subprocess.Popen([sys.executable, "-c", OWNER, kind, str(tiny_hf_dir), str(REPO / "tests")],
-                             stdout=subprocess.PIPE, text=True, cwd=REPO)
+    owner = subprocess.Popen(
+        [sys.executable, "-c", OWNER, kind, str(tiny_hf_dir), str(REPO / "tests")],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
     assert owner.stdout.readline().strip() == "ready"
     tree = psutil.Process(owner.pid).children(recursive=True)
     server = "sglang.launch_server" if kind == "sglang" else "rollout.server"
@@ -136,8 +155,11 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
     server = start_sglang(tiny_hf_dir, tmp_path, tp=2)
     try:
         prompt = [5, 17, 3, 44, 9]
-        body = {"input_ids": prompt, "return_logprob": True,
-                "sampling_params": {"max_new_tokens": 8, "temperature": 1.0}}
+        body = {
+            "input_ids": prompt,
+            "return_logprob": True,
+            "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
+        }
         row = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
         logp, _ = hf_teacher_forced(tiny_hf_dir, prompt, row["output_ids"], 1.0)
         got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
@@ -169,9 +191,18 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
 
 # --------------------------------------------------------------------------- training runs
 def train_command(tmp_path, *overrides) -> list[str]:
-    return [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-sglang-cpu.yaml"),
-            f"trainer.output_dir={tmp_path}", f"rollout.engine.python={sglang_python()}",
-            "buffer.batch_groups=4", "rollout.n_samples_per_prompt=4", *overrides]
+    return [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(REPO / "configs" / "tiny-moe-sglang-cpu.yaml"),
+        f"trainer.output_dir={tmp_path}",
+        f"rollout.engine.python={sglang_python()}",
+        "buffer.batch_groups=4",
+        "rollout.n_samples_per_prompt=4",
+        *overrides,
+    ]
 
 
 def rows(path: Path) -> list[dict]:
@@ -180,8 +211,13 @@ def rows(path: Path) -> list[dict]:
 
 def test_a_short_run_against_sglang_syncs_every_step_and_replays_its_routing(tmp_path):
     before = _descendants()
-    done = subprocess.run(train_command(tmp_path, "trainer.steps=3", "algo.routing_replay=r3"),
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        train_command(tmp_path, "trainer.steps=3", "algo.routing_replay=r3"),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     metrics = rows(tmp_path / "metrics.jsonl")
     assert [m["step"] for m in metrics] == [1, 2, 3]
@@ -202,15 +238,22 @@ def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_c
     to the other, it is restarted, and it takes work again only once a sync gave it the
     current weights; the run goes on to its last step."""
     log = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen(train_command(tmp_path, "trainer.steps=60", "launch.mode=local", "rollout.num_engines=2"),
-                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
+    proc = subprocess.Popen(
+        train_command(tmp_path, "trainer.steps=60", "launch.mode=local", "rollout.num_engines=2"),
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        cwd=REPO,
+    )
     metrics = tmp_path / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 400
         while len(rows(metrics)) < 2 and time.monotonic() < deadline and proc.poll() is None:
             time.sleep(0.2)
-        servers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "sglang.launch_server" in " ".join(p.cmdline()) and p.ppid() == proc.pid]
+        servers = [
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "sglang.launch_server" in " ".join(p.cmdline()) and p.ppid() == proc.pid
+        ]
         assert len(servers) == 2, (tmp_path / "stderr.log").read_text()[-3000:]
         os.kill(servers[0].pid, signal.SIGKILL)
         killed_at = len(rows(metrics))

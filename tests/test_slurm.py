@@ -23,11 +23,11 @@ QWEN3_235B = REPO / "configs" / "qwen3-235b-a22b-gspo.yaml"
 def _submit(*args, path_dir: Path | None = None, tool: str = "cli"):
     """Runs submit with PATH = the stand-in Slurm commands (if any) and the basic tools, so a
     real sbatch on this machine is never reached."""
-    env = dict(os.environ, PATH=os.pathsep.join([str(path_dir), "/usr/bin", "/bin"]) if path_dir
-               else "/nonexistent")
+    env = dict(os.environ, PATH=os.pathsep.join([str(path_dir), "/usr/bin", "/bin"]) if path_dir else "/nonexistent")
     entry = ["-m", "megatron_rlvr.cli", "submit"] if tool == "cli" else [str(REPO / "tools" / "submit_slurm.py")]
-    return subprocess.run([sys.executable, *entry, *map(str, args)], capture_output=True, text=True,
-                          cwd=REPO, env=env, timeout=120)
+    return subprocess.run(
+        [sys.executable, *entry, *map(str, args)], capture_output=True, text=True, cwd=REPO, env=env, timeout=120
+    )
 
 
 def _fake_slurm(tmp_path: Path, job_id: str = "4242", states=("RUNNING", "COMPLETED"), exit_code="0:0"):
@@ -36,14 +36,16 @@ def _fake_slurm(tmp_path: Path, job_id: str = "4242", states=("RUNNING", "COMPLE
     bin_dir.mkdir()
     calls = tmp_path / "sbatch-calls"
     (bin_dir / "sbatch").write_text(
-        f'#!/bin/bash\necho "$@" >> {calls}\ncat > {tmp_path}/submitted.sbatch\necho "{job_id};cluster"\n')
+        f'#!/bin/bash\necho "$@" >> {calls}\ncat > {tmp_path}/submitted.sbatch\necho "{job_id};cluster"\n'
+    )
     counter = tmp_path / "polls"
     (bin_dir / "scontrol").write_text(
         "#!/bin/bash\n"
         f"states=({' '.join(states)})\n"
         f"n=$(cat {counter} 2>/dev/null || echo 0); echo $((n + 1)) > {counter}\n"
         "i=$(( n < ${#states[@]} ? n : ${#states[@]} - 1 ))\n"
-        f'echo "JobId=$4 JobName=x JobState=${{states[$i]}} Reason=None ExitCode={exit_code}"\n')
+        f'echo "JobId=$4 JobName=x JobState=${{states[$i]}} Reason=None ExitCode={exit_code}"\n'
+    )
     for tool in ("sbatch", "scontrol"):
         (bin_dir / tool).chmod(stat.S_IRWXU)
     return bin_dir, calls
@@ -58,17 +60,35 @@ def test_recipes_fit_their_nodes_exactly():
     assert p235.lines()[-1] == "total    128 of 128 GPUs (learner and engines on separate GPUs)"
 
 
-@pytest.mark.parametrize("overrides, nodes, gpus, expected", [
-    ([], 3, 8, "--nodes 3 --gpus-per-node 8 = 24 GPUs cannot hold the run: learner tp·pp·dp = "
-               "2·2·4 = 16 GPUs + rollout 4 engines × rollout.engine.tp 4 = 16 GPUs = 32 GPUs"),
-    ([], 8, 2, "--gpus-per-node 2: one SGLang engine needs rollout.engine.tp = 4 GPUs on a single node"),
-    ([], 4, 0, "--gpus-per-node 0: the config needs 32 GPUs"),
-    (["parallel.tp=1", "parallel.pp=1", "parallel.ep=1", "parallel.dp=4", "rollout.engine.tp=5",
-      "rollout.num_engines=5"], 4, 8,
-     "only 4 engines of rollout.engine.tp = 5 GPUs fit whole on the nodes, the config asks for "
-     "rollout.num_engines = 5"),
-    ([], 0, 8, "--nodes 0: needs at least 1 node"),
-])
+@pytest.mark.parametrize(
+    "overrides, nodes, gpus, expected",
+    [
+        (
+            [],
+            3,
+            8,
+            "--nodes 3 --gpus-per-node 8 = 24 GPUs cannot hold the run: learner tp·pp·dp = "
+            "2·2·4 = 16 GPUs + rollout 4 engines × rollout.engine.tp 4 = 16 GPUs = 32 GPUs",
+        ),
+        ([], 8, 2, "--gpus-per-node 2: one SGLang engine needs rollout.engine.tp = 4 GPUs on a single node"),
+        ([], 4, 0, "--gpus-per-node 0: the config needs 32 GPUs"),
+        (
+            [
+                "parallel.tp=1",
+                "parallel.pp=1",
+                "parallel.ep=1",
+                "parallel.dp=4",
+                "rollout.engine.tp=5",
+                "rollout.num_engines=5",
+            ],
+            4,
+            8,
+            "only 4 engines of rollout.engine.tp = 5 GPUs fit whole on the nodes, the config asks for "
+            "rollout.num_engines = 5",
+        ),
+        ([], 0, 8, "--nodes 0: needs at least 1 node"),
+    ],
+)
 def test_resources_that_cannot_hold_the_run(overrides, nodes, gpus, expected):
     with pytest.raises(slurm.SubmitError) as err:
         slurm.plan(load_config(QWEN3_30B, overrides), nodes, gpus)
@@ -82,21 +102,60 @@ def test_cpu_runs_need_no_gpus():
 
 
 # ----------------------------------------------------------------------------- rendering
-@pytest.mark.parametrize("config, nodes, expected", [
-    (QWEN3_30B, 4, ["learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs",
-                    "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs"]),
-    (QWEN3_235B, 16, ["learner  tp 4 · pp 2 · dp 8 (ep 32, etp 1) on cuda = 64 GPUs",
-                      "rollout  8 SGLang engines × engine.tp 8 = 64 GPUs"]),
-    (REPO / "configs" / "mixtral-8x7b-grpo-r3.yaml", 4, ["learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs",
-                                              "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs"]),
-])
+@pytest.mark.parametrize(
+    "config, nodes, expected",
+    [
+        (
+            QWEN3_30B,
+            4,
+            [
+                "learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs",
+                "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs",
+            ],
+        ),
+        (
+            QWEN3_235B,
+            16,
+            [
+                "learner  tp 4 · pp 2 · dp 8 (ep 32, etp 1) on cuda = 64 GPUs",
+                "rollout  8 SGLang engines × engine.tp 8 = 64 GPUs",
+            ],
+        ),
+        (
+            REPO / "configs" / "mixtral-8x7b-grpo-r3.yaml",
+            4,
+            [
+                "learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs",
+                "rollout  4 SGLang engines × engine.tp 4 = 16 GPUs",
+            ],
+        ),
+    ],
+)
 def test_recipe_dry_run_renders_a_valid_script(config, nodes, expected, tmp_path):
-    out = _submit(config, "--nodes", nodes, "--gpus-per-node", 8, "--partition", "gpu",
-                  "--time", "24:00:00", "--account", "rl", "--dry-run")
+    out = _submit(
+        config,
+        "--nodes",
+        nodes,
+        "--gpus-per-node",
+        8,
+        "--partition",
+        "gpu",
+        "--time",
+        "24:00:00",
+        "--account",
+        "rl",
+        "--dry-run",
+    )
     assert out.returncode == 0, out.stderr
     script = out.stdout
-    for directive in (f"--nodes={nodes}", "--gpus-per-node=8", "--partition=gpu", "--time=24:00:00",
-                      "--account=rl", "--exclusive"):
+    for directive in (
+        f"--nodes={nodes}",
+        "--gpus-per-node=8",
+        "--partition=gpu",
+        "--time=24:00:00",
+        "--account=rl",
+        "--exclusive",
+    ):
         assert f"#SBATCH {directive}\n" in script
     for line in expected:
         assert f"#   {line}\n" in script
@@ -105,15 +164,26 @@ def test_recipe_dry_run_renders_a_valid_script(config, nodes, expected, tmp_path
     syntax = subprocess.run(["bash", "-n", str(tmp_path / "job.sbatch")], capture_output=True, text=True)
     assert syntax.returncode == 0, syntax.stderr
     # #SBATCH lines count only before the first command
-    first_command = next(i for i, line in enumerate(script.splitlines()[1:], 1)
-                         if line and not line.startswith("#"))
+    first_command = next(i for i, line in enumerate(script.splitlines()[1:], 1) if line and not line.startswith("#"))
     assert all(i < first_command for i, line in enumerate(script.splitlines()) if line.startswith("#SBATCH"))
 
 
 def test_overrides_container_and_interface_reach_the_script():
-    out = _submit(TINY, "trainer.steps=3", "--nodes", 2, "--gpus-per-node", 0, "algo.kind=gspo",
-                  "--container", "apptainer exec --nv /img/rlvr.sif", "--iface", "ib0",
-                  "--sbatch-option=--qos=high", "--dry-run")
+    out = _submit(
+        TINY,
+        "trainer.steps=3",
+        "--nodes",
+        2,
+        "--gpus-per-node",
+        0,
+        "algo.kind=gspo",
+        "--container",
+        "apptainer exec --nv /img/rlvr.sif",
+        "--iface",
+        "ib0",
+        "--sbatch-option=--qos=high",
+        "--dry-run",
+    )
     assert out.returncode == 0, out.stderr
     assert f"TRAIN=({TINY} trainer.steps=3 algo.kind=gspo)" in out.stdout
     assert "CONTAINER=(apptainer exec --nv /img/rlvr.sif)" in out.stdout
@@ -128,7 +198,8 @@ def test_bad_resources_are_one_line_and_nothing_is_submitted(tmp_path):
     assert out.returncode == 2 and not calls.exists()
     assert out.stderr.splitlines() == [
         "megatron-rlvr submit: --nodes 2 --gpus-per-node 8 = 16 GPUs cannot hold the run: learner "
-        "tp·pp·dp = 2·2·4 = 16 GPUs + rollout 4 engines × rollout.engine.tp 4 = 16 GPUs = 32 GPUs"]
+        "tp·pp·dp = 2·2·4 = 16 GPUs + rollout 4 engines × rollout.engine.tp 4 = 16 GPUs = 32 GPUs"
+    ]
 
 
 def test_config_errors_are_reported_like_train():
@@ -143,7 +214,8 @@ def test_no_sbatch_on_path_is_a_clear_message():
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines() == [
         "megatron-rlvr submit: sbatch not found on PATH: run this on a Slurm login node "
-        "(or add --dry-run to print the script without submitting)"]
+        "(or add --dry-run to print the script without submitting)"
+    ]
 
 
 def test_recipe_without_a_checkpoint_is_refused_before_sbatch(tmp_path):
@@ -151,8 +223,9 @@ def test_recipe_without_a_checkpoint_is_refused_before_sbatch(tmp_path):
     out = _submit(QWEN3_30B, "--nodes", 4, "--gpus-per-node", 8, path_dir=bin_dir)
     assert out.returncode == 2 and not calls.exists()
     assert "model.path = 'configs/hf-configs/Qwen3-30B-A3B': no *.safetensors there" in out.stderr
-    out = _submit(TINY, "data={type: file, path: /data/none.jsonl}", "--nodes", 1, "--gpus-per-node", 0,
-                  path_dir=bin_dir)
+    out = _submit(
+        TINY, "data={type: file, path: /data/none.jsonl}", "--nodes", 1, "--gpus-per-node", 0, path_dir=bin_dir
+    )
     assert out.returncode == 2 and not calls.exists()
     assert out.stderr.splitlines() == ["megatron-rlvr submit: data.path = '/data/none.jsonl': no such file"]
 
@@ -161,8 +234,9 @@ def test_recipe_without_a_checkpoint_is_refused_before_sbatch(tmp_path):
 def test_submit_prints_job_and_logs_and_follow_exits_with_the_job_status(tmp_path):
     bin_dir, calls = _fake_slurm(tmp_path, states=("PENDING", "RUNNING", "COMPLETED"))
     out_dir = tmp_path / "run"
-    out = _submit(TINY, f"trainer.output_dir={out_dir}", "--nodes", 2, "--gpus-per-node", 0,
-                  "--follow", path_dir=bin_dir)
+    out = _submit(
+        TINY, f"trainer.output_dir={out_dir}", "--nodes", 2, "--gpus-per-node", 0, "--follow", path_dir=bin_dir
+    )
     assert out.returncode == 0, out.stderr
     assert calls.read_text().split() == ["--parsable"]
     log_root = out_dir / "slurm"
@@ -176,8 +250,17 @@ def test_submit_prints_job_and_logs_and_follow_exits_with_the_job_status(tmp_pat
 
 def test_follow_reports_a_failed_job_with_its_exit_code(tmp_path):
     bin_dir, _ = _fake_slurm(tmp_path, states=("RUNNING", "FAILED"), exit_code="2:0")
-    out = _submit(TINY, f"trainer.output_dir={tmp_path / 'run'}", "--nodes", 1, "--gpus-per-node", 0,
-                  "--follow", path_dir=bin_dir, tool="tools")
+    out = _submit(
+        TINY,
+        f"trainer.output_dir={tmp_path / 'run'}",
+        "--nodes",
+        1,
+        "--gpus-per-node",
+        0,
+        "--follow",
+        path_dir=bin_dir,
+        tool="tools",
+    )
     assert out.returncode == 2 and "job 4242: FAILED" in out.stdout
 
 
@@ -196,25 +279,33 @@ def test_readme_shows_the_recipes_as_rendered():
     shared = Path("/shared/megatron-rlvr")
     for config, nodes, model in ((QWEN3_30B, 4, "Qwen3-30B-A3B"), (QWEN3_235B, 16, "Qwen3-235B-A22B")):
         name = config.stem
-        spec = slurm.JobSpec(config=shared / "configs" / config.name, nodes=nodes, gpus_per_node=8,
-                             overrides=[f"model.path=/data/{model}", "data.path=/data/math.jsonl"],
-                             log_root=shared / "runs" / name / "slurm", job_name=f"rlvr-{name}",
-                             workdir=shared, bin_dir=shared / ".venv" / "bin", partition="gpu", time="48:00:00")
+        spec = slurm.JobSpec(
+            config=shared / "configs" / config.name,
+            nodes=nodes,
+            gpus_per_node=8,
+            overrides=[f"model.path=/data/{model}", "data.path=/data/math.jsonl"],
+            log_root=shared / "runs" / name / "slurm",
+            job_name=f"rlvr-{name}",
+            workdir=shared,
+            bin_dir=shared / ".venv" / "bin",
+            partition="gpu",
+            time="48:00:00",
+        )
         script = slurm.render(spec, slurm.plan(load_config(config), nodes, 8)).splitlines()
         if nodes == 4:  # shown whole: header and settings
             end = script.index(next(line for line in script if line.startswith("# ---- end of rendered")))
-            assert "\n".join(script[4:end + 1]) in readme
+            assert "\n".join(script[4 : end + 1]) in readme
         resources = script.index("# Resources (checked by megatron-rlvr submit before submission):")
-        assert "\n".join(script[resources:resources + 5]) in readme
+        assert "\n".join(script[resources : resources + 5]) in readme
 
 
-@pytest.mark.parametrize("flag, value", [("--job-name", "my job"), ("--partition", "gpu 'a'"),
-                                         ("--account", 'lab"x')])
+@pytest.mark.parametrize("flag, value", [("--job-name", "my job"), ("--partition", "gpu 'a'"), ("--account", 'lab"x')])
 def test_sbatch_values_that_would_be_cut_short_are_refused(flag, value):
     out = _submit(TINY, "--nodes", 1, "--gpus-per-node", 0, flag, value, "--dry-run")
     assert out.returncode == 2
     assert out.stderr.splitlines() == [
-        f"megatron-rlvr submit: {flag} {value!r}: an #SBATCH value may not hold spaces or quotes"]
+        f"megatron-rlvr submit: {flag} {value!r}: an #SBATCH value may not hold spaces or quotes"
+    ]
 
 
 def test_a_used_output_folder_is_refused_before_sbatch_and_a_job_resumes(tmp_path):

@@ -43,8 +43,10 @@ def _ensure_slurm_installed() -> None:
     if shutil.which("apt-get") is None:
         pytest.skip(f"Slurm is not installed ({', '.join(missing)} missing) and there is no apt-get")
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in (["apt-get", "update", "-qq"],
-                ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES]):
+    for cmd in (
+        ["apt-get", "update", "-qq"],
+        ["apt-get", "install", "-y", "-qq", "--no-install-recommends", *PACKAGES],
+    ):
         out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
         if out.returncode:
             tail = " | ".join(out.stderr.strip().splitlines()[-3:])
@@ -69,8 +71,17 @@ class LocalSlurm:
 
     def _spawn(self, name: str, cmd: list[str], user: str | None = None) -> None:
         with open(self.root / "log" / f"{name}.out", "w") as log:
-            self.procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=self.env,
-                                               start_new_session=True, user=user, group=user))
+            self.procs.append(
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env=self.env,
+                    start_new_session=True,
+                    user=user,
+                    group=user,
+                )
+            )
 
     def _write_munge(self) -> Path:
         munge_dir, sock_dir = self.root / "munge", self.root / "munge-run"
@@ -83,9 +94,19 @@ class LocalSlurm:
         shutil.chown(key, "munge", "munge")
         key.chmod(0o400)
         socket_path = sock_dir / "munge.sock"
-        self._spawn("munged", ["munged", "--foreground", f"--socket={socket_path}", f"--key-file={key}",
-                               f"--pid-file={sock_dir}/munged.pid", f"--seed-file={munge_dir}/seed",
-                               f"--log-file={munge_dir}/munged.log"], user="munge")
+        self._spawn(
+            "munged",
+            [
+                "munged",
+                "--foreground",
+                f"--socket={socket_path}",
+                f"--key-file={key}",
+                f"--pid-file={sock_dir}/munged.pid",
+                f"--seed-file={munge_dir}/seed",
+                f"--log-file={munge_dir}/munged.log",
+            ],
+            user="munge",
+        )
         return socket_path
 
     def _write_conf(self, munge_socket: Path) -> None:
@@ -95,9 +116,13 @@ class LocalSlurm:
         r = self.root
         nodes = "\n".join(
             f"NodeName={n} NodeHostname=localhost NodeAddr=127.0.0.1 Port={_free_port()} "
-            f"CPUs={cpus} RealMemory={memory} Gres=gpu:{FAKE_GPUS} State=UNKNOWN" for n in NODES)
+            f"CPUs={cpus} RealMemory={memory} Gres=gpu:{FAKE_GPUS} State=UNKNOWN"
+            for n in NODES
+        )
         # GPUs that only exist as a count: enough for sbatch to judge a GPU job's request
-        (self.root / "gres.conf").write_text("Name=gpu File=/dev/null,/dev/zero\n")  # two character devices every machine has
+        (self.root / "gres.conf").write_text(
+            "Name=gpu File=/dev/null,/dev/zero\n"
+        )  # two character devices every machine has
         self.conf.write_text(f"""\
 ClusterName=rlvr-ci
 SlurmctldHost=localhost(127.0.0.1)
@@ -140,13 +165,18 @@ PartitionName=ci Nodes={",".join(NODES)} Default=YES MaxTime=INFINITE State=UP
             self._spawn(f"slurmd-{node}", ["slurmd", "-D", "-N", node, "-f", str(self.conf)])
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
-            out = subprocess.run(["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True,
-                                 env=self.env, timeout=30)
+            out = subprocess.run(
+                ["sinfo", "-h", "-N", "-o", "%N %t"], capture_output=True, text=True, env=self.env, timeout=30
+            )
             states = dict(line.split() for line in out.stdout.splitlines())
             if all(states.get(node) == "idle" for node in NODES):
                 return
             time.sleep(0.25)
-        logs = (self.root / "log" / "slurmctld.log").read_text()[-2000:] if (self.root / "log" / "slurmctld.log").exists() else ""
+        logs = (
+            (self.root / "log" / "slurmctld.log").read_text()[-2000:]
+            if (self.root / "log" / "slurmctld.log").exists()
+            else ""
+        )
         raise RuntimeError(f"local Slurm not ready in {timeout_s:g} s: {out.stdout!r} {out.stderr!r}\n{logs}")
 
     def stop(self) -> None:
@@ -200,11 +230,30 @@ def test_two_node_training_job_through_submit(local_slurm, tmp_path):
     out_dir = tmp_path / "run"
     t0 = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-m", "megatron_rlvr.cli", "submit", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-         "trainer.steps=2", "buffer.batch_groups=2", "rollout.n_samples_per_prompt=4",
-         f"trainer.output_dir={out_dir}", "--nodes", "2", "--gpus-per-node", "0", "--time", "10:00",
-         "--follow"],
-        capture_output=True, text=True, cwd=REPO, env=local_slurm.env, timeout=540)
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "submit",
+            str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+            "trainer.steps=2",
+            "buffer.batch_groups=2",
+            "rollout.n_samples_per_prompt=4",
+            f"trainer.output_dir={out_dir}",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "0",
+            "--time",
+            "10:00",
+            "--follow",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=local_slurm.env,
+        timeout=540,
+    )
     print(result.stdout, result.stderr, f"submit --follow took {time.monotonic() - t0:.1f} s", sep="\n")
     job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
     log_root = out_dir / "slurm"
@@ -213,8 +262,9 @@ def test_two_node_training_job_through_submit(local_slurm, tmp_path):
     assert result.returncode == 0, f"{result.stderr}\n{timeline}\n{(job_dir / 'driver.log').read_text()}"
 
     # Slurm's own account of the job
-    show = subprocess.run(["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True,
-                          env=local_slurm.env, timeout=30).stdout
+    show = subprocess.run(
+        ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=local_slurm.env, timeout=30
+    ).stdout
     assert "JobState=COMPLETED" in show and "ExitCode=0:0" in show, show
 
     # Ray spanned both nodes before the driver started; the driver trained its 2 steps
@@ -242,17 +292,45 @@ def test_gpu_recipe_script_is_accepted_by_sbatch(local_slurm, tmp_path):
     (--test-only: judged by the controller, not run)."""
     script = tmp_path / "job.sbatch"
     render = subprocess.run(
-        [sys.executable, "-m", "megatron_rlvr.cli", "submit", str(REPO / "configs" / "qwen3-30b-a3b-grpo-r3.yaml"),
-         "parallel.tp=1", "parallel.pp=1", "parallel.ep=2", "parallel.dp=2", "rollout.engine.tp=1",
-         "rollout.num_engines=2", f"trainer.output_dir={tmp_path}", "--nodes", "2",
-         "--gpus-per-node", str(FAKE_GPUS), "--time", "10:00", "--dry-run"],
-        capture_output=True, text=True, cwd=REPO, env=local_slurm.env, timeout=120)
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "submit",
+            str(REPO / "configs" / "qwen3-30b-a3b-grpo-r3.yaml"),
+            "parallel.tp=1",
+            "parallel.pp=1",
+            "parallel.ep=2",
+            "parallel.dp=2",
+            "rollout.engine.tp=1",
+            "rollout.num_engines=2",
+            f"trainer.output_dir={tmp_path}",
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            str(FAKE_GPUS),
+            "--time",
+            "10:00",
+            "--dry-run",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        env=local_slurm.env,
+        timeout=120,
+    )
     assert render.returncode == 0, render.stderr
     assert "#SBATCH --gpus-per-node=2" in render.stdout
     script.write_text(render.stdout)
-    judged = subprocess.run(["sbatch", "--test-only", str(script)], capture_output=True, text=True,
-                            env=local_slurm.env, timeout=60)
+    judged = subprocess.run(
+        ["sbatch", "--test-only", str(script)], capture_output=True, text=True, env=local_slurm.env, timeout=60
+    )
     assert judged.returncode == 0 and "to start at" in judged.stderr, judged.stderr
-    too_many = subprocess.run(["sbatch", "--test-only", f"--gpus-per-node={FAKE_GPUS + 1}", str(script)],
-                              capture_output=True, text=True, env=local_slurm.env, timeout=60)
+    too_many = subprocess.run(
+        ["sbatch", "--test-only", f"--gpus-per-node={FAKE_GPUS + 1}", str(script)],
+        capture_output=True,
+        text=True,
+        env=local_slurm.env,
+        timeout=60,
+    )
     assert too_many.returncode != 0  # the controller does judge the GPU request

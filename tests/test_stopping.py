@@ -47,6 +47,7 @@ def test_a_stop_request_that_lands_in_a_finalizer_is_not_lost():
 def test_the_old_way_loses_that_request():
     """Raising from the handler (what Python's own Ctrl-C handler does): the exception cannot
     leave the finalizer, so the request is gone. This is why the handler only records."""
+
     def raising(signum, frame):
         raise KeyboardInterrupt
 
@@ -81,10 +82,20 @@ def test_waits_end_on_a_request_and_learner_work_only_on_a_second_one():
 
 
 def _train(out: Path, *overrides: str) -> subprocess.Popen:
-    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-               f"trainer.output_dir={out}", "buffer.batch_groups=4", "rollout.n_samples_per_prompt=4", *overrides]
-    return subprocess.Popen(command, stdout=open(out.parent / f"{out.name}.log", "w"), stderr=subprocess.STDOUT,
-                            cwd=REPO)
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        f"trainer.output_dir={out}",
+        "buffer.batch_groups=4",
+        "rollout.n_samples_per_prompt=4",
+        *overrides,
+    ]
+    return subprocess.Popen(
+        command, stdout=open(out.parent / f"{out.name}.log", "w"), stderr=subprocess.STDOUT, cwd=REPO
+    )
 
 
 def _steps(out: Path) -> list[int]:
@@ -129,11 +140,15 @@ def stop_and_resume(tmp_path: Path, mode: str, sig: signal.Signals, moment) -> s
     return log
 
 
-@pytest.mark.parametrize("mode, sig, moment", [
-    ("ray", signal.SIGTERM, _engine_started),                       # start-up: engines coming up
-    ("ray", signal.SIGINT, lambda out: len(_steps(out)) >= 2),       # mid-run, Ray actors everywhere
-    ("local", signal.SIGTERM, lambda out: len(_steps(out)) >= 1),    # mid-run, learner in-process
-], ids=["ray-startup-term", "ray-midrun-int", "local-midrun-term"])
+@pytest.mark.parametrize(
+    "mode, sig, moment",
+    [
+        ("ray", signal.SIGTERM, _engine_started),  # start-up: engines coming up
+        ("ray", signal.SIGINT, lambda out: len(_steps(out)) >= 2),  # mid-run, Ray actors everywhere
+        ("local", signal.SIGTERM, lambda out: len(_steps(out)) >= 1),  # mid-run, learner in-process
+    ],
+    ids=["ray-startup-term", "ray-midrun-int", "local-midrun-term"],
+)
 def test_a_stopped_run_exits_130_in_time_leaves_nothing_and_resumes(tmp_path, mode, sig, moment):
     stop_and_resume(tmp_path, mode, sig, moment)
 
@@ -150,7 +165,12 @@ def test_signals_at_random_moments(tmp_path):
         mode = rng.choice(["ray", "local"])
         started = time.monotonic()
         print(f"run {attempt}: {mode}, {sig.name} after {delay:.1f} s")
-        stop_and_resume(tmp_path / str(attempt), mode, sig, lambda out, started=started, delay=delay: time.monotonic() - started >= delay)
+        stop_and_resume(
+            tmp_path / str(attempt),
+            mode,
+            sig,
+            lambda out, started=started, delay=delay: time.monotonic() - started >= delay,
+        )
 
 
 def test_a_second_signal_ends_at_once_without_a_checkpoint(tmp_path):
@@ -189,9 +209,25 @@ def test_the_same_signal_twice_at_once_is_one_request_a_different_one_is_a_secon
 
 def test_a_stopped_conversion_stops_every_rank_and_leaves_no_output(tiny_hf_dir, tmp_path):
     out = tmp_path / "mcore"
-    proc = subprocess.Popen([sys.executable, "-m", "megatron_rlvr.cli", "convert", "hf-to-mcore", "--hf", str(tiny_hf_dir),
-                             "--out", str(out), "--ep", "2"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=REPO)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "convert",
+            "hf-to-mcore",
+            "--hf",
+            str(tiny_hf_dir),
+            "--out",
+            str(out),
+            "--ep",
+            "2",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=REPO,
+    )
     deadline = time.monotonic() + 120
     ranks = []
     while len(ranks) < 2 and time.monotonic() < deadline:

@@ -44,8 +44,10 @@ def test_every_step_is_tried_and_each_failure_names_its_component(caplog):
     assert not run.rollout.thread.is_alive()
     assert run.teardown_failures == ["closing the learner ranks", "closing the verifier workers"]
     logged = [r.getMessage() for r in caplog.records]
-    assert logged == ["teardown: closing the learner ranks failed: ConnectionError: actor died",
-                      "teardown: closing the verifier workers failed: ConnectionError: actor died"]
+    assert logged == [
+        "teardown: closing the learner ranks failed: ConnectionError: actor died",
+        "teardown: closing the verifier workers failed: ConnectionError: actor died",
+    ]
 
 
 def test_a_clean_teardown_reports_nothing_and_an_urgent_one_asks_nobody_to_wait():

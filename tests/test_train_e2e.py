@@ -16,19 +16,39 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def train(tmp_path, *overrides, env=None):
-    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-               f"trainer.output_dir={tmp_path}", "trainer.steps=3", "trainer.save_interval=2", "buffer.batch_groups=4",
-               "rollout.n_samples_per_prompt=4", *overrides]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO,
-                          env=None if env is None else {**os.environ, **env})
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        f"trainer.output_dir={tmp_path}",
+        "trainer.steps=3",
+        "trainer.save_interval=2",
+        "buffer.batch_groups=4",
+        "rollout.n_samples_per_prompt=4",
+        *overrides,
+    ]
+    done = subprocess.run(
+        command,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+        env=None if env is None else {**os.environ, **env},
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()], done
 
 
-@pytest.mark.parametrize("overrides", [
-    ("launch.mode=local", "algo.routing_replay=none"),
-    ("launch.mode=ray", "parallel.ep=2", "algo.routing_replay=r3"),  # two learner actors, one world
-], ids=["local-none", "ray-ep2-r3"])
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        ("launch.mode=local", "algo.routing_replay=none"),
+        ("launch.mode=ray", "parallel.ep=2", "algo.routing_replay=r3"),  # two learner actors, one world
+    ],
+    ids=["local-none", "ray-ep2-r3"],
+)
 def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     # the run's TMPDIR (Python's multiprocessing folders, Ray's session), short: Unix socket
@@ -90,8 +110,9 @@ def tensorboard_steps(run_dir: Path, tag: str) -> list[int]:
 
 def test_an_async_run_resumed_keeps_its_counters_and_logs_each_step_once(tmp_path):
     train(tmp_path, "launch.mode=local", "buffer.async_rollout=true", "trainer.steps=2")
-    resumed, done = train(tmp_path, "launch.mode=local", "buffer.async_rollout=true", "trainer.steps=4",
-                          "trainer.resume=true")
+    resumed, done = train(
+        tmp_path, "launch.mode=local", "buffer.async_rollout=true", "trainer.steps=4", "trainer.resume=true"
+    )
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert [m["buffer/used"] for m in resumed] == [4, 8, 12, 16]  # groups trained on, through each step
     assert [m["policy_version"] for m in resumed] == [1, 2, 3, 4]
@@ -101,11 +122,21 @@ def test_an_async_run_resumed_keeps_its_counters_and_logs_each_step_once(tmp_pat
 def test_a_finished_or_used_output_folder_is_never_overwritten(tmp_path):
     train(tmp_path, "launch.mode=local", "trainer.steps=2")
     before = {p: (p.stat().st_mtime_ns, p.read_bytes()) for p in tmp_path.rglob("*") if p.is_file()}
-    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-               f"trainer.output_dir={tmp_path}", "trainer.steps=2"]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        f"trainer.output_dir={tmp_path}",
+        "trainer.steps=2",
+    ]
     again = subprocess.run(command, capture_output=True, text=True, timeout=60, cwd=REPO)
     assert again.returncode == 2 and len(again.stderr.strip().splitlines()) == 1, again.stderr
-    assert f"trainer.output_dir = '{tmp_path}' holds a run (metrics up to step 2 and a checkpoint of step 2)" in again.stderr
+    assert (
+        f"trainer.output_dir = '{tmp_path}' holds a run (metrics up to step 2 and a checkpoint of step 2)"
+        in again.stderr
+    )
     assert "trainer.resume=true" in again.stderr
     finished = subprocess.run([*command, "trainer.resume=true"], capture_output=True, text=True, timeout=60, cwd=REPO)
     assert finished.returncode == 0 and "already finished" in finished.stderr, finished.stderr
@@ -113,9 +144,22 @@ def test_a_finished_or_used_output_folder_is_never_overwritten(tmp_path):
 
 
 def test_a_multi_rank_layout_in_local_mode_is_a_config_error(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-                           f"trainer.output_dir={tmp_path}", "parallel.ep=2", "launch.mode=local"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "train",
+            str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+            f"trainer.output_dir={tmp_path}",
+            "parallel.ep=2",
+            "launch.mode=local",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert "launch.mode = local: runs one learner rank" in done.stderr
 
@@ -128,9 +172,19 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
     import signal
     import time
 
-    command = [sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-               f"trainer.output_dir={tmp_path}", "trainer.steps=2000", "launch.mode=local",
-               f"rollout.num_engines={engines}", "buffer.batch_groups=4", "rollout.n_samples_per_prompt=4"]
+    command = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.cli",
+        "train",
+        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        f"trainer.output_dir={tmp_path}",
+        "trainer.steps=2000",
+        "launch.mode=local",
+        f"rollout.num_engines={engines}",
+        "buffer.batch_groups=4",
+        "rollout.n_samples_per_prompt=4",
+    ]
     log = open(tmp_path / "stderr.log", "w")
     proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     metrics = tmp_path / "metrics.jsonl"
@@ -141,7 +195,9 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
     deadline = time.monotonic() + 300
     while len(rows()) < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    servers = [p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())]
+    servers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())
+    ]
     assert len(servers) == engines
     os.kill(servers[0].pid, signal.SIGKILL)
     while time.monotonic() < deadline and proc.poll() is None:
@@ -184,11 +240,25 @@ def test_the_only_engine_killed_mid_run_comes_back_with_the_current_weights(tmp_
 def test_a_run_whose_data_has_nothing_to_teach_ends_after_its_generation_bound(tmp_path):
     data = tmp_path / "unanswerable.jsonl"  # the character tokenizer cannot even spell the answer
     data.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "answer": "xyz"}) + "\n" for i in range(6)))
-    done = subprocess.run([sys.executable, "-m", "megatron_rlvr.cli", "train", str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-                           f"trainer.output_dir={tmp_path / 'run'}", "launch.mode=local", "buffer.batch_groups=2",
-                           "buffer.max_generated_groups_per_step=10", "rollout.n_samples_per_prompt=4",
-                           "data={type: file, path: " + str(data) + "}"],
-                          capture_output=True, text=True, timeout=600, cwd=REPO)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "train",
+            str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "launch.mode=local",
+            "buffer.batch_groups=2",
+            "buffer.max_generated_groups_per_step=10",
+            "rollout.n_samples_per_prompt=4",
+            "data={type: file, path: " + str(data) + "}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     last = [line for line in done.stderr.splitlines() if line.startswith("megatron-rlvr train:")]
     assert len(last) == 1
@@ -207,8 +277,14 @@ def test_ten_r3_steps_on_a_deepseek_v3_checkpoint(tmp_path):
 
     hf_dir = build_family("deepseek_v3", tmp_path / "hf")
     build_arithmetic_tokenizer(hf_dir)
-    metrics, _ = train(tmp_path / "run", f"model={{type: hf, path: {hf_dir}}}", "trainer.steps=10",
-                       "trainer.save_interval=0", "launch.mode=local", "algo.routing_replay=r3")
+    metrics, _ = train(
+        tmp_path / "run",
+        f"model={{type: hf, path: {hf_dir}}}",
+        "trainer.steps=10",
+        "trainer.save_interval=0",
+        "launch.mode=local",
+        "algo.routing_replay=r3",
+    )
     assert [m["step"] for m in metrics] == list(range(1, 11))
     for m in metrics:
         assert m["weight_sync/parity_max_gap"] <= 1e-5 and m["train/grad_norm"] > 0

@@ -89,7 +89,10 @@ def test_each_record_goes_to_its_verifier_with_reasoning_stripped(user_module, m
     try:
         math = PromptRecord("m", "2+2=", "4", "math")
         assert verifiers.verify(["<think>maybe 5</think>The answer is \\boxed{4}", "<think>4? or 5", "5"], math) == [
-            (1.0, "exact"), (0.0, "no_final_answer"), (0.0, "numeric_mismatch")]
+            (1.0, "exact"),
+            (0.0, "no_final_answer"),
+            (0.0, "numeric_mismatch"),
+        ]
         code = PromptRecord("c", "add", json.dumps({"inputs": ["1 2"], "outputs": ["3"]}), "code")
         solution = "<think>```python\nprint(0)\n```</think>```python\nprint(sum(map(int, input().split())))\n```"
         assert verifiers.verify([solution, "print(4)"], code) == [(1.0, "passed"), (0.0, "wrong_answer")]
@@ -106,10 +109,16 @@ def test_metrics_count_reasons_overall_and_per_verifier():
     other.add("code", [(0.0, "timeout"), (1.0, "passed"), (1.0, "passed")])
     stats.merge(other)
     assert stats.metrics() == {
-        "verifier/exact": 1, "verifier/passed": 2, "verifier/timeout": 2,
-        "verifier/code/samples": 3, "verifier/code/reward_mean": pytest.approx(2 / 3),
-        "verifier/code/passed": 2, "verifier/code/timeout": 1,
-        "verifier/math/samples": 2, "verifier/math/reward_mean": 0.5, "verifier/math/exact": 1,
+        "verifier/exact": 1,
+        "verifier/passed": 2,
+        "verifier/timeout": 2,
+        "verifier/code/samples": 3,
+        "verifier/code/reward_mean": pytest.approx(2 / 3),
+        "verifier/code/passed": 2,
+        "verifier/code/timeout": 1,
+        "verifier/math/samples": 2,
+        "verifier/math/reward_mean": 0.5,
+        "verifier/math/exact": 1,
         "verifier/math/timeout": 1,
     }
 
@@ -118,18 +127,24 @@ def test_the_local_pool_scores_and_evaluation_does_not_count(tmp_path, monkeypat
     from megatron_rlvr.config import Config
 
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "words.py").write_text(textwrap.dedent("""
+    (tmp_path / "words.py").write_text(
+        textwrap.dedent("""
         def yes(response, record):
             return 1.0
-    """))
+    """)
+    )
     cfg = Config.model_validate({"verifier": {"functions": {"yes": "words:yes"}, "num_workers": 1}})
     pool = VerifierPool(cfg, InProcess(cfg))
     try:
         record = PromptRecord("u", "q", None, "yes")
         assert asyncio.run(pool(["a", "b"], record)) == [1.0, 1.0]
         assert asyncio.run(pool(["c"], record, count=False)) == [1.0]
-        assert pool.take_metrics() == {"verifier/scored": 2, "verifier/yes/samples": 2,
-                                       "verifier/yes/reward_mean": 1.0, "verifier/yes/scored": 2}
+        assert pool.take_metrics() == {
+            "verifier/scored": 2,
+            "verifier/yes/samples": 2,
+            "verifier/yes/reward_mean": 1.0,
+            "verifier/yes/scored": 2,
+        }
         assert pool.take_metrics() == {}
     finally:
         pool.close()

@@ -19,8 +19,10 @@ from megatron_rlvr.weight_sync.transport import bucket_device, engine_rank_count
 
 
 def test_buckets_keep_one_dtype_stay_under_the_limit_and_unpack_to_views():
-    named = [(f"w{i}", torch.randn(10, 10)) for i in range(5)] + [("b", torch.ones(7, dtype=torch.bfloat16)),
-                                                                 ("big", torch.randn(100, 10))]
+    named = [(f"w{i}", torch.randn(10, 10)) for i in range(5)] + [
+        ("b", torch.ones(7, dtype=torch.bfloat16)),
+        ("big", torch.randn(100, 10)),
+    ]
     out = list(buckets(named, max_bytes=1200))
     assert all(len({b.dtype}) == 1 for b in out)
     assert sorted(b.names for b in out) == [["b"], ["big"], ["w0", "w1", "w2"], ["w3", "w4"]]
@@ -39,14 +41,17 @@ def test_layout_refuses_unaligned_mixed_dtypes():
         pack([("a", torch.ones(2)), ("b", torch.ones(2, dtype=torch.float64))])
 
 
-@pytest.mark.parametrize("engines, tp, ep, world, offsets", [
-    (4, 4, 1, 17, [1, 5, 9, 13]),                       # configs/qwen3-30b-a3b-grpo-r3.yaml: 4 engines × TP4
-    (4, 4, 4, 17, [1, 5, 9, 13]),                       # expert parallel inside each engine's TP ranks
-    (8, 8, 1, 65, [1, 9, 17, 25, 33, 41, 49, 57]),      # configs/qwen3-235b-a22b-gspo.yaml: 8 engines × TP8
-    (8, 8, 8, 65, [1, 9, 17, 25, 33, 41, 49, 57]),
-    (2, 1, 1, 3, [1, 2]),                               # the CPU tests: one rank per engine
-    (1, 2, 1, 3, [1]),                                  # one SGLang tp 2 engine on CPU (tests/test_sglang_cpu.py)
-])
+@pytest.mark.parametrize(
+    "engines, tp, ep, world, offsets",
+    [
+        (4, 4, 1, 17, [1, 5, 9, 13]),  # configs/qwen3-30b-a3b-grpo-r3.yaml: 4 engines × TP4
+        (4, 4, 4, 17, [1, 5, 9, 13]),  # expert parallel inside each engine's TP ranks
+        (8, 8, 1, 65, [1, 9, 17, 25, 33, 41, 49, 57]),  # configs/qwen3-235b-a22b-gspo.yaml: 8 engines × TP8
+        (8, 8, 8, 65, [1, 9, 17, 25, 33, 41, 49, 57]),
+        (2, 1, 1, 3, [1, 2]),  # the CPU tests: one rank per engine
+        (1, 2, 1, 3, [1]),  # one SGLang tp 2 engine on CPU (tests/test_sglang_cpu.py)
+    ],
+)
 def test_update_group_holds_the_sender_and_every_rank_of_every_engine(engines, tp, ep, world, offsets):
     layout = group_layout([engine_rank_count(tp, ep)] * engines)
     assert layout.world_size == world == 1 + engines * tp and layout.offsets == offsets
@@ -63,8 +68,9 @@ def test_update_group_of_mixed_engines_and_bad_layouts():
         group_layout([2, 0])
 
 
-@pytest.mark.parametrize("recipe, expected", [("qwen3-30b-a3b-grpo-r3", [4] * 4), ("qwen3-235b-a22b-gspo", [8] * 8),
-                                              ("tiny-moe-cpu", [1])])
+@pytest.mark.parametrize(
+    "recipe, expected", [("qwen3-30b-a3b-grpo-r3", [4] * 4), ("qwen3-235b-a22b-gspo", [8] * 8), ("tiny-moe-cpu", [1])]
+)
 def test_the_learner_passes_each_engines_rank_count_to_the_syncer(recipe, expected):
     cfg = load_config(f"configs/{recipe}.yaml")
     assert engine_ranks(cfg, cfg.rollout.num_engines) == expected
@@ -86,16 +92,21 @@ def engines(tiny_hf_dir, tmp_path_factory):
         engine.stop()
 
 
-LAYOUTS = {"world1": (1, []), "tp2-sp": (2, ["parallel.tp=2"]), "ep2": (2, ["parallel.ep=2"]),
-           "pp2": (2, ["parallel.pp=2"])}
+LAYOUTS = {
+    "world1": (1, []),
+    "tp2-sp": (2, ["parallel.tp=2"]),
+    "ep2": (2, ["parallel.ep=2"]),
+    "pp2": (2, ["parallel.pp=2"]),
+}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_after_a_sync_every_engine_tensor_equals_the_learners(layout, engines, tiny_hf_dir, tmp_path):
     world, overrides = LAYOUTS[layout]
     urls = ",".join(e.url for e in engines)
-    results = run_ranks(world, ["sync", str(tiny_hf_dir), "weight_sync.bucket_mb=0.05", *overrides], tmp_path,
-                        env={"ENGINE_URLS": urls})
+    results = run_ranks(
+        world, ["sync", str(tiny_hf_dir), "weight_sync.bucket_mb=0.05", *overrides], tmp_path, env={"ENGINE_URLS": urls}
+    )
     source = results[0]
     assert source["checked"] == 2 * 45 and source["mismatched"] == []
     metrics = source["metrics"]
@@ -105,8 +116,12 @@ def test_after_a_sync_every_engine_tensor_equals_the_learners(layout, engines, t
 
 
 def test_corrupted_bucket_and_skipped_version_are_detected(engines, tiny_hf_dir, tmp_path):
-    r = run_ranks(1, ["sync-integrity", str(tiny_hf_dir), "weight_sync.bucket_mb=0.05"], tmp_path,
-                  env={"ENGINE_URLS": engines[0].url})[0]
+    r = run_ranks(
+        1,
+        ["sync-integrity", str(tiny_hf_dir), "weight_sync.bucket_mb=0.05"],
+        tmp_path,
+        env={"ENGINE_URLS": engines[0].url},
+    )[0]
     assert "rejected bucket 0" in r["corrupted_error"] and "checksum mismatch" in r["corrupted_error"]
     assert r["version_after_corruption"] == r["versions"]  # kept its old version
     assert r["retry_metrics"]["weight_sync/parity_max_gap"] <= 1e-5  # a clean retry then succeeds
@@ -124,8 +139,9 @@ def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines,
 
     async def refused_sync():
         client = EngineClient(engine.url)
-        syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05, refusal_wait_s=5.0),
-                              group_name="refusal_test", checksums=True)
+        syncer = WeightSyncer(
+            [client], WeightSyncConfig(bucket_mb=0.05, refusal_wait_s=5.0), group_name="refusal_test", checksums=True
+        )
         try:
             await syncer.connect()
             version = syncer.version
@@ -143,16 +159,19 @@ def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines,
     assert seconds < 30
     info = httpx.get(f"{engine.url}/model_info", timeout=10).json()
     assert info["weight_version"] == str(version)  # nothing loaded
-    row = httpx.post(f"{engine.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}},
-                     timeout=60)
+    row = httpx.post(
+        f"{engine.url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}, timeout=60
+    )
     assert row.status_code == 200  # resumed, not left paused
 
 
 # DeepSeek-V3: the expert score bias and MLA tensors; Mixtral: block_sparse_moe…w1/w3/w2 names
-SYNC_FAMILIES = [pytest.param("deepseek_v3", "world1", id="deepseek_v3-world1"),
-                 pytest.param("mixtral", "world1", id="mixtral-world1"),
-                 pytest.param("deepseek_v3", "ep2", id="deepseek_v3-ep2", marks=pytest.mark.slow),
-                 pytest.param("glm4_moe", "world1", id="glm4_moe-world1", marks=pytest.mark.slow)]
+SYNC_FAMILIES = [
+    pytest.param("deepseek_v3", "world1", id="deepseek_v3-world1"),
+    pytest.param("mixtral", "world1", id="mixtral-world1"),
+    pytest.param("deepseek_v3", "ep2", id="deepseek_v3-ep2", marks=pytest.mark.slow),
+    pytest.param("glm4_moe", "world1", id="glm4_moe-world1", marks=pytest.mark.slow),
+]
 
 
 @pytest.mark.parametrize("family, layout", SYNC_FAMILIES)
@@ -163,8 +182,12 @@ def test_a_sync_puts_every_learner_tensor_of_each_family_into_the_engine(family,
     engine = start_engine(model_dir, tmp_path / "engine")
     try:
         world, overrides = LAYOUTS[layout]
-        source = run_ranks(world, ["sync", str(model_dir), "weight_sync.bucket_mb=0.05", *overrides], tmp_path,
-                           env={"ENGINE_URLS": engine.url})[0]
+        source = run_ranks(
+            world,
+            ["sync", str(model_dir), "weight_sync.bucket_mb=0.05", *overrides],
+            tmp_path,
+            env={"ENGINE_URLS": engine.url},
+        )[0]
     finally:
         engine.stop()
     with safe_open(str(model_dir / "model.safetensors"), "pt") as f:
@@ -177,8 +200,9 @@ def test_a_gpt_oss_sync_puts_every_learner_tensor_into_the_engine(tiny_gpt_oss_d
     engine bitwise, after a train step (world 1, several small buckets)."""
     engine = start_engine(tiny_gpt_oss_dir, tmp_path)
     try:
-        source = run_ranks(1, ["sync", str(tiny_gpt_oss_dir), "weight_sync.bucket_mb=0.05"], tmp_path,
-                           env={"ENGINE_URLS": engine.url})[0]
+        source = run_ranks(
+            1, ["sync", str(tiny_gpt_oss_dir), "weight_sync.bucket_mb=0.05"], tmp_path, env={"ENGINE_URLS": engine.url}
+        )[0]
     finally:
         engine.stop()
     assert source["checked"] == 37 and source["mismatched"] == []

@@ -14,22 +14,53 @@ from pathlib import Path
 import torch
 
 VOCAB = 96  # divisible by every tensor-parallel size the tests use
-_COMMON = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
-               max_position_embeddings=512, initializer_range=0.1, tie_word_embeddings=False)
+_COMMON = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    initializer_range=0.1,
+    tie_word_embeddings=False,
+)
 
 # DeepSeek-V3's YaRN block (factor 40 over 4096 positions), scaled to the tiny context
-_YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128,
-         "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+_YARN = {
+    "rope_type": "yarn",
+    "rope_theta": 10000.0,
+    "factor": 4.0,
+    "original_max_position_embeddings": 128,
+    "beta_fast": 32,
+    "beta_slow": 1,
+    "mscale": 1.0,
+    "mscale_all_dim": 1.0,
+}
 
 
 def _deepseek(**over):
     from transformers import DeepseekV3Config
 
-    args = dict(_COMMON, num_hidden_layers=3, intermediate_size=96, moe_intermediate_size=32,
-                n_routed_experts=8, num_experts_per_tok=4, n_group=4, topk_group=2, n_shared_experts=1,
-                first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
-                q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                num_key_value_heads=4, rope_parameters=dict(_YARN))
+    args = dict(
+        _COMMON,
+        num_hidden_layers=3,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        n_routed_experts=8,
+        num_experts_per_tok=4,
+        n_group=4,
+        topk_group=2,
+        n_shared_experts=1,
+        first_k_dense_replace=1,
+        routed_scaling_factor=2.5,
+        norm_topk_prob=True,
+        q_lora_rank=32,
+        kv_lora_rank=16,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        num_key_value_heads=4,
+        rope_parameters=dict(_YARN),
+    )
     args.update(over)
     return DeepseekV3Config(**args)
 
@@ -39,23 +70,54 @@ def _configs() -> dict:
 
     return {
         "qwen2_moe": lambda: Qwen2MoeConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=96, moe_intermediate_size=32,
-            shared_expert_intermediate_size=48, num_experts=8, num_experts_per_tok=2,
-            norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True),
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=48,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            qkv_bias=True,
+        ),
         "mixtral": lambda: MixtralConfig(
-            **_COMMON, num_hidden_layers=2, intermediate_size=32, num_local_experts=8,
-            num_experts_per_tok=2, router_aux_loss_coef=0.0),
+            **_COMMON,
+            num_hidden_layers=2,
+            intermediate_size=32,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            router_aux_loss_coef=0.0,
+        ),
         "glm4_moe": lambda: Glm4MoeConfig(
-            **_COMMON, num_hidden_layers=3, head_dim=16, intermediate_size=96, moe_intermediate_size=32,
-            n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, n_group=1, topk_group=1,
-            first_k_dense_replace=1, routed_scaling_factor=1.0, norm_topk_prob=True, use_qk_norm=False,
-            attention_bias=True, rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
-                                                  "partial_rotary_factor": 0.5}),
+            **_COMMON,
+            num_hidden_layers=3,
+            head_dim=16,
+            intermediate_size=96,
+            moe_intermediate_size=32,
+            n_routed_experts=8,
+            num_experts_per_tok=2,
+            n_shared_experts=1,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            routed_scaling_factor=1.0,
+            norm_topk_prob=True,
+            use_qk_norm=False,
+            attention_bias=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5},
+        ),
         # group-limited routing (4 groups, best 2), YaRN, MLA with a q LoRA, one dense layer
         "deepseek_v3": lambda: _deepseek(),
         # Moonlight: DeepSeek-V3's architecture without q LoRA or groups, plain RoPE
-        "moonlight": lambda: _deepseek(q_lora_rank=None, n_group=1, topk_group=1, num_experts_per_tok=2,
-                                       rope_parameters={"rope_type": "default", "rope_theta": 50000.0}),
+        "moonlight": lambda: _deepseek(
+            q_lora_rank=None,
+            n_group=1,
+            topk_group=1,
+            num_experts_per_tok=2,
+            rope_parameters={"rope_type": "default", "rope_theta": 50000.0},
+        ),
         # Kimi-K2: DeepSeek-V3's architecture under model_type kimi_k2, one group
         "kimi_k2": lambda: _deepseek(n_group=1, topk_group=1, num_experts_per_tok=2),
     }
@@ -91,8 +153,7 @@ def hf_model(model_dir: str | Path):
 
     from megatron_rlvr.families import read_hf_config
 
-    return AutoModelForCausalLM.from_pretrained(str(model_dir), config=read_hf_config(model_dir),
-                                                dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(str(model_dir), config=read_hf_config(model_dir), dtype=torch.float32)
 
 
 def hf_forward_with_routing(model, ids: torch.Tensor):
@@ -108,8 +169,11 @@ def hf_forward_with_routing(model, ids: torch.Tensor):
     for index, layer in enumerate(model.model.layers):
         router = getattr(getattr(layer, "mlp", None), router_attr, None)
         if router is not None and hasattr(router, "top_k"):
-            hooks.append(router.register_forward_hook(
-                lambda module, args, output, index=index: chosen.__setitem__(index, output[-1].detach())))
+            hooks.append(
+                router.register_forward_hook(
+                    lambda module, args, output, index=index: chosen.__setitem__(index, output[-1].detach())
+                )
+            )
     try:
         with torch.no_grad():
             out = model(ids)
@@ -132,10 +196,15 @@ def add_mtp_layer(model_dir: str | Path) -> int:
     tensors = load_file(path)
     layers = json.loads((Path(model_dir) / "config.json").read_text())["num_hidden_layers"]
     last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
-    added = {mtp + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+    added = {mtp + name[len(last) :]: t.clone() for name, t in tensors.items() if name.startswith(last)}
     hidden = tensors["model.norm.weight"].shape[0]
-    added.update({mtp + "enorm.weight": torch.ones(hidden), mtp + "hnorm.weight": torch.ones(hidden),
-                  mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
-                  mtp + "shared_head.norm.weight": torch.ones(hidden)})
+    added.update(
+        {
+            mtp + "enorm.weight": torch.ones(hidden),
+            mtp + "hnorm.weight": torch.ones(hidden),
+            mtp + "eh_proj.weight": torch.randn(hidden, 2 * hidden),
+            mtp + "shared_head.norm.weight": torch.ones(hidden),
+        }
+    )
     save_file({**tensors, **added}, str(path), metadata={"format": "pt"})
     return len(added)

@@ -32,7 +32,8 @@ MAX_OPERAND = 3
 def problems() -> list[dict]:
     out = []
     for (template, solve), name, things, a, b in itertools.product(
-            PROBLEMS, NAMES, THINGS, range(MAX_OPERAND + 1), range(MAX_OPERAND + 1)):
+        PROBLEMS, NAMES, THINGS, range(MAX_OPERAND + 1), range(MAX_OPERAND + 1)
+    ):
         answer = solve(a, b)
         if answer >= 0:  # nobody loses more than they have
             out.append({"question": template.format(name=name, things=things, a=a, b=b), "answer": str(answer)})
@@ -40,26 +41,36 @@ def problems() -> list[dict]:
 
 
 def verl_rows(items: list[dict], split: str) -> list[dict]:
-    return [{"data_source": "arithmetic_words",
-             "prompt": [{"role": "user", "content": item["question"]}],
-             "ability": "math",
-             "reward_model": {"style": "rule", "ground_truth": item["answer"]},
-             "extra_info": {"split": split, "index": index, "question": item["question"], "answer": item["answer"]}}
-            for index, item in enumerate(items)]
+    return [
+        {
+            "data_source": "arithmetic_words",
+            "prompt": [{"role": "user", "content": item["question"]}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": item["answer"]},
+            "extra_info": {"split": split, "index": index, "question": item["question"], "answer": item["answer"]},
+        }
+        for index, item in enumerate(items)
+    ]
 
 
 def write(path: Path, rows: list[dict]) -> None:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    schema = pa.schema([
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
-        ("extra_info", pa.struct([("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()),
-                                  ("split", pa.string())])),
-    ])
+    schema = pa.schema(
+        [
+            ("data_source", pa.string()),
+            ("prompt", pa.list_(pa.struct([("content", pa.string()), ("role", pa.string())]))),
+            ("ability", pa.string()),
+            ("reward_model", pa.struct([("ground_truth", pa.string()), ("style", pa.string())])),
+            (
+                "extra_info",
+                pa.struct(
+                    [("answer", pa.string()), ("index", pa.int64()), ("question", pa.string()), ("split", pa.string())]
+                ),
+            ),
+        ]
+    )
     pq.write_table(pa.Table.from_pylist(rows, schema=schema), path)
 
 
@@ -71,7 +82,7 @@ def main() -> None:
     args = parser.parse_args()
     items = problems()
     random.Random(args.seed).shuffle(items)
-    test, train = items[: args.test], items[args.test:]
+    test, train = items[: args.test], items[args.test :]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write(out / "train.parquet", verl_rows(train, "train"))

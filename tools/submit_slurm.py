@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """Submits a training run to Slurm: the same as `megatron-rlvr submit`.
 
-    python tools/submit_slurm.py CONFIG [key=value ...] --nodes N --gpus-per-node G
-        [--partition P] [--time T] [--account A] [--dry-run] [--follow]
+python tools/submit_slurm.py CONFIG [key=value ...] --nodes N --gpus-per-node G
+    [--partition P] [--time T] [--account A] [--dry-run] [--follow]
 """
 
 import sys

@@ -117,9 +117,7 @@ def policy_loss(
         raise ValueError(f"agg={agg!r}: expected one of {sorted(AGGREGATIONS)}")
     for name, tensor in (("old_logprobs", old_logprobs), ("mask", mask)):
         if tensor.shape != logprobs.shape:
-            raise ValueError(
-                f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}"
-            )
+            raise ValueError(f"{name} shape {tuple(tensor.shape)} != logprobs shape {tuple(logprobs.shape)}")
     if logprobs.dim() != 2:
         raise ValueError(f"logprobs must be [B, T], got shape {tuple(logprobs.shape)}")
     if advantages.dim() == 1:

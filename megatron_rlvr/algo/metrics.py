@@ -66,8 +66,7 @@ def routing_agreement(
     [tokens] selects which tokens count (e.g. response tokens only)."""
     if experts_a.shape != experts_b.shape or experts_a.dim() != 3:
         raise ValueError(
-            f"routings must both be [tokens, layers, k]; got {tuple(experts_a.shape)} "
-            f"and {tuple(experts_b.shape)}"
+            f"routings must both be [tokens, layers, k]; got {tuple(experts_a.shape)} and {tuple(experts_b.shape)}"
         )
     a = experts_a.long().sort(dim=-1).values
     b = experts_b.long().sort(dim=-1).values

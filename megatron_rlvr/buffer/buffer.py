@@ -79,6 +79,7 @@ class Buffer:
     async def get_batch(self, n: int, policy_version: int, timeout_s: float | None = None) -> list[Group]:
         """Exactly n useful groups, oldest first, waiting for them if needed. Groups too stale
         for `policy_version` are dropped on the way and counted."""
+
         async def enough() -> None:
             async with self._changed:
                 await self._changed.wait_for(lambda: self._useful(policy_version) >= n)

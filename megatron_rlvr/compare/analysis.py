@@ -89,7 +89,9 @@ def metric_keys(results: list[RunResult]) -> list[tuple[str, str]]:
         if key in logged:
             keys.append((key, label))
         if key == ENGINE_AGREEMENT:
-            layers = sorted((k for k in logged if k.startswith(f"{key}/layer")), key=lambda k: int(k.rsplit("layer", 1)[1]))
+            layers = sorted(
+                (k for k in logged if k.startswith(f"{key}/layer")), key=lambda k: int(k.rsplit("layer", 1)[1])
+            )
             keys += [(k, f"routing agreement with engine, layer {k.rsplit('layer', 1)[1]}") for k in layers]
     return keys
 
@@ -107,8 +109,12 @@ def summarise(result: RunResult, keys: list[str], window: int) -> RunResult:
     for key in keys:
         values = series(result.rows, key)
         if values:
-            result.summaries[key] = Summary(statistics.fmean(values), statistics.fmean(values[:window]),
-                                            statistics.fmean(values[-window:]), max(values))
+            result.summaries[key] = Summary(
+                statistics.fmean(values),
+                statistics.fmean(values[:window]),
+                statistics.fmean(values[-window:]),
+                max(values),
+            )
     return result
 
 
@@ -129,9 +135,12 @@ def aggregate(results: list[RunResult], keys: list[str]) -> dict[Combo, dict[str
     for combo in sorted({r.combo for r in results}):
         runs = [r for r in results if r.combo == combo]
         table[combo] = {
-            key: Cell(mean_std([r.summaries[key].mean for r in runs if key in r.summaries]),
-                      mean_std([r.summaries[key].last for r in runs if key in r.summaries]))
-            for key in keys if any(key in r.summaries for r in runs)
+            key: Cell(
+                mean_std([r.summaries[key].mean for r in runs if key in r.summaries]),
+                mean_std([r.summaries[key].last for r in runs if key in r.summaries]),
+            )
+            for key in keys
+            if any(key in r.summaries for r in runs)
         }
     return table
 
@@ -178,7 +187,7 @@ class Stability:
 def _collapsed(rewards: list[float], window: int) -> bool:
     if len(rewards) < window:
         return False
-    windows = [statistics.fmean(rewards[i:i + window]) for i in range(len(rewards) - window + 1)]
+    windows = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
     return windows[-1] < max(windows) - COLLAPSE
 
 

@@ -31,6 +31,7 @@ def _choices(allowed: tuple[str, ...]):
         if bad or not items:
             raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(allowed)}")
         return list(dict.fromkeys(items))
+
     return parse
 
 
@@ -51,15 +52,19 @@ def _positive(text: str) -> int:
 
 
 def add_parser(sub) -> None:
-    cmd = sub.add_parser("compare-replay", help="run routing-replay modes side by side and report which "
-                         "one keeps MoE training stable")
+    cmd = sub.add_parser(
+        "compare-replay", help="run routing-replay modes side by side and report which one keeps MoE training stable"
+    )
     cmd.add_argument("config", help="YAML config, e.g. configs/compare-replay-cpu.yaml")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     cmd.set_defaults(takes_overrides=True)
     cmd.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="default: none,r2,r3")
     cmd.add_argument("--algos", type=_choices(ALGOS), help="grpo,gspo; default: the config's algo.kind")
-    cmd.add_argument("--off-policy", type=_degrees, help="degrees k: optimizer steps per rollout batch "
-                     "(algo.num_minibatches); default: the config's")
+    cmd.add_argument(
+        "--off-policy",
+        type=_degrees,
+        help="degrees k: optimizer steps per rollout batch (algo.num_minibatches); default: the config's",
+    )
     cmd.add_argument("--steps", type=_positive, help="steps per run; default: the config's trainer.steps")
     cmd.add_argument("--seeds", type=_positive, default=1, help="seeds per combination (trainer.seed 0..K-1)")
     cmd.add_argument("--out", help="default: runs/compare-replay/<config name>")
@@ -98,16 +103,35 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
         steps = args.steps or cfg.trainer.steps
         algos = args.algos or [cfg.algo.kind]
         degrees = args.off_policy or [cfg.algo.num_minibatches]
-        plans = plan_runs(args.config, args.overrides, cfg, modes=args.modes, algos=algos, off_policy=degrees,
-                          steps=steps, seeds=args.seeds, out=out)
+        plans = plan_runs(
+            args.config,
+            args.overrides,
+            cfg,
+            modes=args.modes,
+            algos=algos,
+            off_policy=degrees,
+            steps=steps,
+            seeds=args.seeds,
+            out=out,
+        )
         if args.submit:
             from megatron_rlvr.compare.runner import submit
 
-            waiting = submit(plans, {"nodes": args.nodes, "gpus_per_node": args.gpus_per_node,
-                                     "partition": args.partition, "time": args.time, "account": args.account})
+            waiting = submit(
+                plans,
+                {
+                    "nodes": args.nodes,
+                    "gpus_per_node": args.gpus_per_node,
+                    "partition": args.partition,
+                    "time": args.time,
+                    "account": args.account,
+                },
+            )
             if waiting:
-                print(f"compare-replay: {len(waiting)} of {len(plans)} runs queued or running; run the same "
-                      "command again to collect them (the report is written once all have finished)")
+                print(
+                    f"compare-replay: {len(waiting)} of {len(plans)} runs queued or running; run the same "
+                    "command again to collect them (the report is written once all have finished)"
+                )
                 return 0
         else:
             from megatron_rlvr.compare.runner import run_local
@@ -115,12 +139,16 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
             run_local(plans, stop)
         from megatron_rlvr.compare.report import write_report
 
-        verdicts = write_report(out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out),
-                                steps, args.seeds)
+        verdicts = write_report(
+            out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out), steps, args.seeds
+        )
     except StopRequested as err:
         finished = sum(p.finished() for p in plans)
-        print(f"megatron-rlvr compare-replay: {err}; {finished} of {len(plans)} runs finished and "
-              "kept; run the same command again to resume", file=sys.stderr)
+        print(
+            f"megatron-rlvr compare-replay: {err}; {finished} of {len(plans)} runs finished and "
+            "kept; run the same command again to resume",
+            file=sys.stderr,
+        )
         return 130
     for text in verdicts:
         print(text.replace("**", ""))

@@ -53,8 +53,10 @@ class RunPlan:
         return (self.dir / DONE).exists() and self.steps_logged() == self.steps
 
     def mark_done(self, seconds: float | None = None) -> None:
-        (self.dir / DONE).write_text(json.dumps({"steps": self.steps, "seconds": seconds,
-                                                 "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}) + "\n")
+        (self.dir / DONE).write_text(
+            json.dumps({"steps": self.steps, "seconds": seconds, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
+            + "\n"
+        )
 
     def result(self) -> RunResult:
         return RunResult(self.combo, self.seed, read_metrics(self.dir / "metrics.jsonl"))
@@ -68,14 +70,26 @@ def _check_same_comparison(out: Path, base: Config, steps: int) -> None:
     record = to_yaml(base) + f"# compare-replay steps: {steps}\n"
     path = out / COMPARISON
     if path.exists() and path.read_text() != record:
-        raise CompareError(f"--out {out} holds runs of another config or step count (see {path}); use "
-                           "another --out, or delete it to start over")
+        raise CompareError(
+            f"--out {out} holds runs of another config or step count (see {path}); use "
+            "another --out, or delete it to start over"
+        )
     out.mkdir(parents=True, exist_ok=True)
     path.write_text(record)
 
 
-def plan_runs(config: str, overrides: list[str], base: Config, *, modes: list[str], algos: list[str],
-              off_policy: list[int], steps: int, seeds: int, out: Path) -> list[RunPlan]:
+def plan_runs(
+    config: str,
+    overrides: list[str],
+    base: Config,
+    *,
+    modes: list[str],
+    algos: list[str],
+    off_policy: list[int],
+    steps: int,
+    seeds: int,
+    out: Path,
+) -> list[RunPlan]:
     """Validates every run's config (`base`: CONFIG with overrides, loaded) and writes it;
     returns the runs in the order they run:
     for each algorithm, off-policy degree and seed, every mode (so that an interrupted
@@ -89,9 +103,16 @@ def plan_runs(config: str, overrides: list[str], base: Config, *, modes: list[st
                 for mode in modes:
                     combo = Combo(algo, degree, mode)
                     plan = RunPlan(combo, seed, out / "runs" / run_name(combo, seed), steps)
-                    settings = {"algo.kind": algo, "algo.routing_replay": mode, "algo.num_minibatches": degree,
-                                "trainer.seed": seed, "trainer.steps": steps, "trainer.resume": False,
-                                "trainer.output_dir": str(plan.dir), "rollout.return_routed_experts": True}
+                    settings = {
+                        "algo.kind": algo,
+                        "algo.routing_replay": mode,
+                        "algo.num_minibatches": degree,
+                        "trainer.seed": seed,
+                        "trainer.steps": steps,
+                        "trainer.resume": False,
+                        "trainer.output_dir": str(plan.dir),
+                        "rollout.return_routed_experts": True,
+                    }
                     run_raw = copy.deepcopy(raw)
                     for dotted, value in settings.items():
                         section, key = dotted.split(".")

@@ -33,8 +33,7 @@ def slug(key: str) -> str:
 
 
 # ----------------------------------------------------------------------------- the table
-def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str, str]],
-                seeds: int) -> None:
+def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str, str]], seeds: int) -> None:
     with open(out / "table.csv", "w", newline="") as f:
         writer = csv.writer(f)
         writer.writerow(["algo", "off_policy", "mode", "seeds", "metric", "mean", "mean_std", "last", "last_std"])
@@ -42,8 +41,19 @@ def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list
             for key, _ in keys:
                 if key in cells:
                     c = cells[key]
-                    writer.writerow([combo.algo, combo.off_policy, combo.mode, seeds, key,
-                                     c.mean[0], c.mean[1], c.last[0], c.last[1]])
+                    writer.writerow(
+                        [
+                            combo.algo,
+                            combo.off_policy,
+                            combo.mode,
+                            seeds,
+                            key,
+                            c.mean[0],
+                            c.mean[1],
+                            c.last[0],
+                            c.last[1],
+                        ]
+                    )
     (out / "table.md").write_text(to_markdown(table_blocks(table, keys, seeds)))
 
 
@@ -56,9 +66,15 @@ def table_blocks(table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str
         rows = []
         for key, label in keys:
             if any(key in table[c] for c in combos):
-                rows.append([label] + [
-                    f"{fmt_pm(*table[c][key].mean, seeds)} / {fmt_pm(*table[c][key].last, seeds)}"
-                    if key in table[c] else "—" for c in combos])
+                rows.append(
+                    [label]
+                    + [
+                        f"{fmt_pm(*table[c][key].mean, seeds)} / {fmt_pm(*table[c][key].last, seeds)}"
+                        if key in table[c]
+                        else "—"
+                        for c in combos
+                    ]
+                )
         blocks.append(("h3", f"{algo}, {degree}× off-policy (mean over the run / last window)"))
         blocks.append(("table", ["metric", *[c.mode for c in combos]], rows))
     return blocks
@@ -90,11 +106,24 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
             style = DEGREE_STYLES[degrees.index(combo.off_policy) % len(DEGREE_STYLES)]
             marker = "o" if algos.index(combo.algo) else None
             width = max(2.4 - 0.6 * modes.index(combo.mode), 0.8)  # identical curves stay visible
-            (line,) = ax.plot(steps, mean, style, marker=marker, markersize=3, linewidth=width,
-                              color=MODE_COLORS.get(combo.mode), label=combo.label())
+            (line,) = ax.plot(
+                steps,
+                mean,
+                style,
+                marker=marker,
+                markersize=3,
+                linewidth=width,
+                color=MODE_COLORS.get(combo.mode),
+                label=combo.label(),
+            )
             if any(std):
-                ax.fill_between(steps, [m - s for m, s in zip(mean, std)], [m + s for m, s in zip(mean, std)],
-                                color=line.get_color(), alpha=0.15)
+                ax.fill_between(
+                    steps,
+                    [m - s for m, s in zip(mean, std)],
+                    [m + s for m, s in zip(mean, std)],
+                    color=line.get_color(),
+                    alpha=0.15,
+                )
         if key in LOG_SCALE and positive:
             ax.set_yscale("log")
         ax.set_title(label)
@@ -121,18 +150,21 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
     c = best.combo
 
     def trend(s: an.Stability) -> str:
-        return (f"{s.combo.mode}'s mismatch KL went {s.mismatch_first:.1e} → {s.mismatch_last:.1e} "
-                f"({s.growth:.1f}×, peak {s.mismatch_peak:.1e})")
+        return (
+            f"{s.combo.mode}'s mismatch KL went {s.mismatch_first:.1e} → {s.mismatch_last:.1e} "
+            f"({s.growth:.1f}×, peak {s.mismatch_peak:.1e})"
+        )
 
     others = [s for s in candidates if s is not best]
-    text = (f"At {c.off_policy}× off-policy ({c.algo}), **{c.mode}** was most stable: over {steps} steps "
-            f"{trend(best)}")
+    text = f"At {c.off_policy}× off-policy ({c.algo}), **{c.mode}** was most stable: over {steps} steps {trend(best)}"
     text += f", while {', '.join(trend(s) for s in others)}." if others else "."
     troubled = [s for s in candidates if s.disqualified]
     for s in troubled:
         what = []
         if s.collapses:
-            what.append(f"reward collapsed in {s.collapses} seed(s) ({fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)})")
+            what.append(
+                f"reward collapsed in {s.collapses} seed(s) ({fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)})"
+            )
         if s.spikes:
             what.append(f"{s.spikes} grad-norm spike(s), up to {s.spike_ratio:.0f}× its median")
         text += f" {s.combo.mode}: {' and '.join(what)}."
@@ -140,21 +172,29 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
         text += " No run had a reward collapse or a grad-norm spike."
     elif best.disqualified:
         text += " Every run was disqualified, so the lowest mismatch decided."
-    text += " Reward, first → last window: " + "; ".join(
-        f"{s.combo.mode} {fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}" for s in candidates) + "."
+    text += (
+        " Reward, first → last window: "
+        + "; ".join(f"{s.combo.mode} {fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}" for s in candidates)
+        + "."
+    )
     agreements = [s for s in candidates if s.natural_agreement is not None]
     if agreements:
-        text += " Learner/engine routing agreement, natural vs used: " + "; ".join(
-            f"{s.combo.mode} {_pct(s.natural_agreement)} vs {_pct(s.used_agreement)}" for s in agreements) + "."
+        text += (
+            " Learner/engine routing agreement, natural vs used: "
+            + "; ".join(f"{s.combo.mode} {_pct(s.natural_agreement)} vs {_pct(s.used_agreement)}" for s in agreements)
+            + "."
+        )
     return text
 
 
-RULE = (f"Rule: a run is disqualified if its last-window reward is more than {an.COLLAPSE} below its "
-        f"best window (reward collapse) or, after the first window, any step's grad norm exceeds "
-        f"{an.SPIKE:g}× the run's median (grad-norm spike; the first steps from random weights are atypical "
-        "everywhere). Of the remaining runs (all, if none remains), the most stable has the lowest "
-        "last-window mismatch KL, the k3 estimate of KL(rollout ‖ learner) on the sampled tokens. "
-        "Windows are the first and last fifth of the steps; seeds are averaged.")
+RULE = (
+    f"Rule: a run is disqualified if its last-window reward is more than {an.COLLAPSE} below its "
+    f"best window (reward collapse) or, after the first window, any step's grad norm exceeds "
+    f"{an.SPIKE:g}× the run's median (grad-norm spike; the first steps from random weights are atypical "
+    "everywhere). Of the remaining runs (all, if none remains), the most stable has the lowest "
+    "last-window mismatch KL, the k3 estimate of KL(rollout ‖ learner) on the sampled tokens. "
+    "Windows are the first and last fifth of the steps; seeds are averaged."
+)
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -182,10 +222,12 @@ def _inline_html(text: str) -> str:
 
 
 def to_html(blocks: list, title: str) -> str:
-    parts = [f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
-             "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}"
-             "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em}"
-             "td:not(:first-child){text-align:right}img{max-width:48%}</style></head><body>"]
+    parts = [
+        f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>",
+        "<style>body{font-family:sans-serif;max-width:70em;margin:2em auto}"
+        "table{border-collapse:collapse;margin:1em 0}td,th{border:1px solid #ccc;padding:.25em .6em}"
+        "td:not(:first-child){text-align:right}img{max-width:48%}</style></head><body>",
+    ]
     for kind, *body in blocks:
         if kind in ("h1", "h2", "h3"):
             parts.append(f"<{kind}>{_inline_html(body[0])}</{kind}>")
@@ -215,10 +257,17 @@ def write_report(out: Path, results: list[an.RunResult], setup: list[str], steps
     for algo, degree in sorted({(c.algo, c.off_policy) for c in table}):
         candidates = [an.stability(results, c, window) for c in table if (c.algo, c.off_policy) == (algo, degree)]
         verdicts.append(verdict(candidates, steps))
-    blocks = [("h1", "Routing replay comparison"), *[("p", line) for line in setup],
-              ("h2", "Which mode kept training stable"), *[("p", v) for v in verdicts], ("p", RULE),
-              ("h2", "Metrics"), *table_blocks(table, keys, seeds),
-              ("h2", "Curves"), *[("img", label, str(path.relative_to(out))) for label, path in plots]]
+    blocks = [
+        ("h1", "Routing replay comparison"),
+        *[("p", line) for line in setup],
+        ("h2", "Which mode kept training stable"),
+        *[("p", v) for v in verdicts],
+        ("p", RULE),
+        ("h2", "Metrics"),
+        *table_blocks(table, keys, seeds),
+        ("h2", "Curves"),
+        *[("img", label, str(path.relative_to(out))) for label, path in plots],
+    ]
     (out / "report.md").write_text(to_markdown(blocks))
     (out / "report.html").write_text(to_html(blocks, "Routing replay comparison"))
     return verdicts

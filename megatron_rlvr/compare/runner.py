@@ -38,10 +38,14 @@ def run_local(plans: list[RunPlan], stop: StopSignals, out=None) -> None:
     todo = [p for p in plans if not p.finished()]
     steps = plans[0].steps if plans else 0
     done = len(plans) - len(todo)
-    print(f"compare-replay: {len(plans)} runs of {steps} steps; {done} finished earlier, {len(todo)} to run",
-          file=out, flush=True)
-    bar = tqdm(total=len(plans) * steps, initial=done * steps, unit="step", desc="compare", file=out,
-               dynamic_ncols=True)
+    print(
+        f"compare-replay: {len(plans)} runs of {steps} steps; {done} finished earlier, {len(todo)} to run",
+        file=out,
+        flush=True,
+    )
+    bar = tqdm(
+        total=len(plans) * steps, initial=done * steps, unit="step", desc="compare", file=out, dynamic_ncols=True
+    )
     try:
         for number, plan in enumerate(todo, start=done + 1):
             bar.set_description(f"[{number}/{len(plans)}] {plan.name}")
@@ -59,9 +63,12 @@ def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
         # a session of its own: a terminal's Ctrl-C reaches this process only, which passes
         # each stop request on, once
         # resume: an unfinished run continues from the checkpoint it left (or starts afresh)
-        child = subprocess.Popen([sys.executable, "-m", "megatron_rlvr.cli", "train", str(plan.config),
-                                  "trainer.resume=true"],
-                                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        child = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rlvr.cli", "train", str(plan.config), "trainer.resume=true"],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
         passed_on = 0
         while child.poll() is None:
             for _ in range(stop.count - passed_on):  # train ends after the step it is in (exit 130)
@@ -76,8 +83,10 @@ def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
     if child.returncode == 130 or stop.requested:
         raise StopRequested(stop.signal_name or "SIGTERM", f"during run {plan.name}")
     if child.returncode != 0 or plan.steps_logged() != plan.steps:
-        raise CompareError(f"run {plan.name} failed (exit code {child.returncode}): "
-                           f"{_error_line(plan.dir / 'train.log')} (log: {plan.dir / 'train.log'})")
+        raise CompareError(
+            f"run {plan.name} failed (exit code {child.returncode}): "
+            f"{_error_line(plan.dir / 'train.log')} (log: {plan.dir / 'train.log'})"
+        )
     return time.monotonic() - started
 
 
@@ -88,8 +97,9 @@ def submit(plans: list[RunPlan], options: dict, out=None) -> list[RunPlan]:
     try:
         from megatron_rlvr.launch import slurm
     except ImportError:
-        raise CompareError("--submit is not available: this install has no Slurm submission "
-                           "(megatron_rlvr.launch.slurm)") from None
+        raise CompareError(
+            "--submit is not available: this install has no Slurm submission (megatron_rlvr.launch.slurm)"
+        ) from None
     from megatron_rlvr.config import load_config
 
     out = out or sys.stdout
@@ -109,16 +119,26 @@ def submit(plans: list[RunPlan], options: dict, out=None) -> list[RunPlan]:
                 print(f"{plan.name}: job {job_id} {state}", file=out)
                 waiting.append(plan)
                 continue
-            print(f"{plan.name}: job {job_id} ended {state} with {plan.steps_logged()} of {plan.steps} "
-                  "steps logged; submitting again", file=out)
+            print(
+                f"{plan.name}: job {job_id} ended {state} with {plan.steps_logged()} of {plan.steps} "
+                "steps logged; submitting again",
+                file=out,
+            )
         try:
             cfg = load_config(plan.config)
             resources = slurm.plan(cfg, options["nodes"], options["gpus_per_node"])
             slurm.check_inputs_present(cfg)
-            spec = slurm.JobSpec(config=plan.config, overrides=[], nodes=options["nodes"],
-                                 gpus_per_node=options["gpus_per_node"], log_root=plan.dir / "slurm",
-                                 job_name=f"rlvr-{plan.name}", partition=options.get("partition"),
-                                 time=options.get("time"), account=options.get("account"))
+            spec = slurm.JobSpec(
+                config=plan.config,
+                overrides=[],
+                nodes=options["nodes"],
+                gpus_per_node=options["gpus_per_node"],
+                log_root=plan.dir / "slurm",
+                job_name=f"rlvr-{plan.name}",
+                partition=options.get("partition"),
+                time=options.get("time"),
+                account=options.get("account"),
+            )
             script = slurm.render(spec, resources)
             spec.log_root.mkdir(parents=True, exist_ok=True)
             job_id = slurm.sbatch(script)

@@ -31,15 +31,17 @@ class VerifierConfig(Section):
     """Which verifier scores each record, and the sandbox they run in."""
 
     kind: str = Field(
-        "math", description="the verifier of records that name none and whose data_source is not in "
+        "math",
+        description="the verifier of records that name none and whose data_source is not in "
         "by_data_source: math, code, or a name in verifier.functions",
     )
     by_data_source: dict[str, str] = Field(
-        default_factory=dict, description="data_source → verifier (e.g. {openai/gsm8k: math}); "
-        "wins over the record's own verifier column",
+        default_factory=dict,
+        description="data_source → verifier (e.g. {openai/gsm8k: math}); wins over the record's own verifier column",
     )
     functions: dict[str, str] = Field(
-        default_factory=dict, description="your own verifiers: name → 'module:function' or "
+        default_factory=dict,
+        description="your own verifiers: name → 'module:function' or "
         "'path/to/file.py:function', called as function(response, record) -> float in the sandbox",
     )
     timeout_s: float = Field(5.0, gt=0.0, le=600.0, description="hard wall-time limit per answer")
@@ -57,8 +59,9 @@ class VerifierConfig(Section):
                 problems.append(f"verifier.functions.{name}: {name!r} is a built-in verifier (pick another name)")
             module, sep, function = spec.rpartition(":")
             if not sep or not module or not function.isidentifier():
-                problems.append(f"verifier.functions.{name} = {spec!r}: expected 'module:function' or "
-                                "'path/to/file.py:function'")
+                problems.append(
+                    f"verifier.functions.{name} = {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
+                )
         names = (*BUILTIN_VERIFIERS, *self.functions)
         allowed = f"(known: {', '.join(names)})"
         if self.kind not in names:
@@ -87,10 +90,22 @@ class ArithmeticSource(Section):
 
 # Where each field of a record is found, per data.format (dotted paths into a row).
 DATA_FORMATS = {
-    "plain": {"prompt_key": "prompt", "answer_key": "answer", "verifier_key": "verifier",
-              "data_source_key": "data_source", "id_key": "id", "extra_key": "extra_info"},
-    "verl": {"prompt_key": "prompt", "answer_key": "reward_model.ground_truth", "verifier_key": "ability",
-             "data_source_key": "data_source", "id_key": "extra_info.index", "extra_key": "extra_info"},
+    "plain": {
+        "prompt_key": "prompt",
+        "answer_key": "answer",
+        "verifier_key": "verifier",
+        "data_source_key": "data_source",
+        "id_key": "id",
+        "extra_key": "extra_info",
+    },
+    "verl": {
+        "prompt_key": "prompt",
+        "answer_key": "reward_model.ground_truth",
+        "verifier_key": "ability",
+        "data_source_key": "data_source",
+        "id_key": "extra_info.index",
+        "extra_key": "extra_info",
+    },
 }
 
 
@@ -101,11 +116,12 @@ class FileSource(Section):
     type: Literal["file"] = Field("file", description="file: prompts from JSONL or Parquet files")
     path: str | list[str] = Field(description="a .jsonl or .parquet file, or a list of them")
     weights: list[float] | None = Field(
-        None, description="mixing weight per file (the share of prompts drawn from it); None: "
-        "every row once",
+        None,
+        description="mixing weight per file (the share of prompts drawn from it); None: every row once",
     )
     format: Literal["plain", "verl"] = Field(
-        "plain", description="key names: plain (prompt, answer, verifier, data_source, id, extra_info) or "
+        "plain",
+        description="key names: plain (prompt, answer, verifier, data_source, id, extra_info) or "
         "verl (prompt, reward_model.ground_truth, ability, data_source, extra_info.index, extra_info)",
     )
     prompt_key: str | None = Field(None, description="None: per format")
@@ -125,8 +141,9 @@ class FileSource(Section):
         problems = [] if self.paths else [f"{where}.path = []: give at least one file"]
         if self.weights is not None:
             if len(self.weights) != len(self.paths):
-                problems.append(f"{where}.weights = {self.weights}: one weight per file in {where}.path "
-                                f"({len(self.paths)})")
+                problems.append(
+                    f"{where}.weights = {self.weights}: one weight per file in {where}.path ({len(self.paths)})"
+                )
             elif any(w <= 0 for w in self.weights):
                 problems.append(f"{where}.weights = {self.weights}: every weight must be > 0")
         return problems
@@ -146,11 +163,12 @@ class PromptFormat(Section):
 
     system_prompt: str | None = Field(None, description="a system message for records that have none")
     instruction: str | None = Field(
-        None, description="appended (after a space) to the last user message, e.g. 'Put the final answer "
-        "within \\boxed{}.'",
+        None,
+        description="appended (after a space) to the last user message, e.g. 'Put the final answer within \\boxed{}.'",
     )
     apply_chat_template: bool | None = Field(
-        None, description="render with the tokenizer's chat template (add_generation_prompt); None: when "
+        None,
+        description="render with the tokenizer's chat template (add_generation_prompt); None: when "
         "there is one (or data.chat_template); false: the prompt text itself after <bos>",
     )
     chat_template: str | None = Field(
@@ -163,7 +181,8 @@ class PromptFormat(Section):
         None, description="longer prompts are dropped (counted, reported once); None: no limit"
     )
     skip_bad_rows: bool = Field(
-        False, description="false: a bad row stops the run before it starts, naming file:line; true: bad "
+        False,
+        description="false: a bad row stops the run before it starts, naming file:line; true: bad "
         "rows are skipped, counted and logged",
     )
 

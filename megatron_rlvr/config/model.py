@@ -44,7 +44,9 @@ class TinyModel(Section):
     )
     init_seed: int = Field(1234, description="seed of the random initialisation")
     tokenizer_chars: str = Field(
-        "0123456789+*-=. ", min_length=1, description="characters of the character-level tokenizer made "
+        "0123456789+*-=. ",
+        min_length=1,
+        description="characters of the character-level tokenizer made "
         "with the model (one token each; role tokens and <bos>/<eos>/<pad>/<unk> are added)",
     )
 
@@ -71,7 +73,8 @@ class HFModel(Section):
     type: Literal["hf"] = Field("hf", description="hf: an HF checkpoint directory")
     path: str = Field(description="directory holding config.json and *.safetensors")
     mcore_checkpoint: str | None = Field(
-        None, description="the learner's first weights from this Megatron checkpoint (`megatron-rlvr "
+        None,
+        description="the learner's first weights from this Megatron checkpoint (`megatron-rlvr "
         "convert hf-to-mcore`, any layout) instead of path's safetensors; path still gives the config, "
         "tokenizer and the engines' first weights, so both must hold the same model",
     )

@@ -113,9 +113,7 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
     p, a, r = cfg.parallel, cfg.algo, cfg.rollout
     problems = []
     if dims.num_experts % p.ep:
-        problems.append(
-            f"parallel.ep = {p.ep}: must divide the model's {dims.num_experts} experts"
-        )
+        problems.append(f"parallel.ep = {p.ep}: must divide the model's {dims.num_experts} experts")
     if dims.num_attention_heads % p.tp or dims.num_key_value_heads % p.tp:
         problems.append(
             f"parallel.tp = {p.tp}: must divide the attention heads "
@@ -167,9 +165,7 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
         if isinstance(source, FileSource):
             problems.extend(source.problems(where))
     if cfg.trainer.min_lr > cfg.trainer.lr:
-        problems.append(
-            f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})"
-        )
+        problems.append(f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})")
     return problems
 
 
@@ -181,30 +177,38 @@ def _engine_problems(cfg: Config) -> list[str]:
     if sync.backend == "nccl" and p.device == "cpu":
         problems.append("weight_sync.backend = nccl: NCCL needs parallel.device = cuda")
     elif sync.backend == "nccl" and (isinstance(engine, CpuEngine) or engine.device == "cpu"):
-        problems.append("weight_sync.backend = nccl: the engines run on CPU and receive over gloo "
-                        "(set gloo or auto)")
+        problems.append("weight_sync.backend = nccl: the engines run on CPU and receive over gloo (set gloo or auto)")
     if not isinstance(engine, SglangEngine):
         return problems
     if engine.tp % engine.ep:
-        problems.append(f"rollout.engine.ep = {engine.ep}: must divide rollout.engine.tp ({engine.tp}); "
-                        "SGLang places its expert-parallel ranks on its tensor-parallel ranks")
+        problems.append(
+            f"rollout.engine.ep = {engine.ep}: must divide rollout.engine.tp ({engine.tp}); "
+            "SGLang places its expert-parallel ranks on its tensor-parallel ranks"
+        )
     if engine.device == "cuda" and p.device == "cpu":
-        problems.append("rollout.engine.device = cuda: a CPU learner (parallel.device = cpu) runs "
-                        "SGLang on CPU (device: cpu) or the learner on cuda")
+        problems.append(
+            "rollout.engine.device = cuda: a CPU learner (parallel.device = cpu) runs "
+            "SGLang on CPU (device: cpu) or the learner on cuda"
+        )
     if sync.checksum:
-        problems.append("weight_sync.checksum = true: SGLang has no per-bucket checksum (the CPU "
-                        "engine's extension); leave it null: the post-sync parity probe checks the weights")
+        problems.append(
+            "weight_sync.checksum = true: SGLang has no per-bucket checksum (the CPU "
+            "engine's extension); leave it null: the post-sync parity probe checks the weights"
+        )
     if sync.pause_mode == "in_place" and "--disable-radix-cache" not in engine.extra_args:
-        problems.append("weight_sync.pause_mode = in_place: SGLang cannot flush its prefix cache while "
-                        "paused requests hold it, so new requests would reuse KV of the old weights; use "
-                        "retract or abort, or add --disable-radix-cache to rollout.engine.extra_args")
+        problems.append(
+            "weight_sync.pause_mode = in_place: SGLang cannot flush its prefix cache while "
+            "paused requests hold it, so new requests would reuse KV of the old weights; use "
+            "retract or abort, or add --disable-radix-cache to rollout.engine.extra_args"
+        )
     if engine.gpus is not None:
         if cfg.launch.mode != "local":
-            problems.append("rollout.engine.gpus: only for launch.mode = local (Ray assigns GPUs to "
-                            "engine actors)")
+            problems.append("rollout.engine.gpus: only for launch.mode = local (Ray assigns GPUs to engine actors)")
         elif engine.device != "cuda" or len(engine.gpus) != r.num_engines * engine.tp:
-            problems.append(f"rollout.engine.gpus = {engine.gpus}: needs rollout.num_engines × "
-                            f"rollout.engine.tp = {r.num_engines * engine.tp} GPU ids on device cuda")
+            problems.append(
+                f"rollout.engine.gpus = {engine.gpus}: needs rollout.num_engines × "
+                f"rollout.engine.tp = {r.num_engines * engine.tp} GPU ids on device cuda"
+            )
     if engine.python is not None:
         problems += _engine_python_problems(engine.python, sync.backend)
     return problems
@@ -215,9 +219,11 @@ def sglang_install(python: str) -> dict:
     either (a fraction of a second). Raises OSError (missing) or RuntimeError (unreadable)."""
     import subprocess
 
-    probe = ("import importlib.metadata as m, importlib.util as u, json\n"
-             "v = lambda n: m.version(n) if u.find_spec(n) else None\n"
-             "print(json.dumps({'sglang': v('sglang'), 'torch': v('torch')}))")
+    probe = (
+        "import importlib.metadata as m, importlib.util as u, json\n"
+        "v = lambda n: m.version(n) if u.find_spec(n) else None\n"
+        "print(json.dumps({'sglang': v('sglang'), 'torch': v('torch')}))"
+    )
     done = subprocess.run([python, "-c", probe], capture_output=True, text=True, timeout=60)
     if done.returncode:
         raise RuntimeError((done.stderr.strip().splitlines() or [f"exit {done.returncode}"])[-1])
@@ -233,12 +239,15 @@ def _engine_python_problems(python: str, backend: str) -> list[str]:
     except (OSError, RuntimeError, ValueError) as err:
         return [f"{where}: cannot run it ({err})"]
     if found["sglang"] is None:
-        return [f"{where}: has no SGLang (build one with bash scripts/setup_sglang_cpu.sh, or "
-                "bash scripts/setup.sh --gpu)"]
+        return [
+            f"{where}: has no SGLang (build one with bash scripts/setup_sglang_cpu.sh, or bash scripts/setup.sh --gpu)"
+        ]
     ours = importlib.metadata.version("torch")
     if backend == "nccl" and found["torch"] != ours:
-        return [f"{where}: torch {found['torch']} there, {ours} here: one NCCL weight-update group "
-                "needs the same torch build on both sides (install the learner's torch there)"]
+        return [
+            f"{where}: torch {found['torch']} there, {ours} here: one NCCL weight-update group "
+            "needs the same torch build on both sides (install the learner's torch there)"
+        ]
     return []
 
 
@@ -257,9 +266,7 @@ def resolve(cfg: Config) -> ResolvedConfig:
     if dp_derived:
         # experts are carved out of the tp · dp ranks of a stage: ep=2 alone means 2 ranks
         expert_ranks = cfg.parallel.ep * cfg.parallel.etp
-        cfg.parallel.dp = next(
-            dp for dp in range(1, expert_ranks + 1) if (cfg.parallel.tp * dp) % expert_ranks == 0
-        )
+        cfg.parallel.dp = next(dp for dp in range(1, expert_ranks + 1) if (cfg.parallel.tp * dp) % expert_ranks == 0)
     if cfg.parallel.sequence_parallel is None:
         cfg.parallel.sequence_parallel = cfg.parallel.tp > 1
     if cfg.rollout.return_routed_experts is None:

@@ -22,9 +22,7 @@ class ParallelConfig(Section):
     pp: PositiveInt = Field(1, description="pipeline-parallel size")
     ep: PositiveInt = Field(1, description="expert-parallel size")
     etp: PositiveInt | None = Field(None, description="expert tensor-parallel size; None: tp")
-    dp: PositiveInt | None = Field(
-        None, description="data-parallel size; None: the smallest that fits ep · etp"
-    )
+    dp: PositiveInt | None = Field(None, description="data-parallel size; None: the smallest that fits ep · etp")
     sequence_parallel: bool | None = Field(
         None, description="None: on exactly when tp > 1 (Megatron MoE requires it then)"
     )
@@ -43,18 +41,12 @@ class AlgoConfig(Section):
     """Policy-gradient algorithm: advantages, loss, clipping, importance correction, replay."""
 
     kind: LossKind = Field("grpo", description="grpo: token ratio; gspo: sequence ratio")
-    normalize_std: bool = Field(
-        True, description="divide advantages by the group std (GRPO); false: Dr.GRPO"
-    )
+    normalize_std: bool = Field(True, description="divide advantages by the group std (GRPO); false: Dr.GRPO")
     clip_low: float | None = Field(None, description="ratio clip 1 - clip_low; None: per kind")
     clip_high: float | None = Field(None, description="ratio clip 1 + clip_high; None: per kind")
-    clip_ratio_c: float | None = Field(
-        None, description="dual-clip bound for negative advantages (> 1), None: off"
-    )
+    clip_ratio_c: float | None = Field(None, description="dual-clip bound for negative advantages (> 1), None: off")
     agg: AggMode = Field("token-mean", description="how per-token losses become one loss")
-    tis_cap: float | None = Field(
-        2.0, description="truncated importance sampling cap on pi_old/pi_rollout; None: off"
-    )
+    tis_cap: float | None = Field(2.0, description="truncated importance sampling cap on pi_old/pi_rollout; None: off")
     tis_level: Literal["token", "sequence"] = Field(
         "token", description="the TIS ratio per token, or one per sequence (the product of its tokens')"
     )
@@ -62,12 +54,12 @@ class AlgoConfig(Section):
         "none", description="r2: replay the learner's own routing; r3: the engine's"
     )
     entropy_coef: float = Field(
-        0.0, ge=0.0, description="entropy bonus weight (aggregated like the loss); keeps "
+        0.0,
+        ge=0.0,
+        description="entropy bonus weight (aggregated like the loss); keeps "
         "exploration alive where groups would collapse to one answer",
     )
-    num_minibatches: PositiveInt = Field(
-        1, description="optimizer steps per rollout batch (>1 is off-policy)"
-    )
+    num_minibatches: PositiveInt = Field(1, description="optimizer steps per rollout batch (>1 is off-policy)")
 
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
@@ -103,7 +95,8 @@ class SglangEngine(Section):
         "cuda", description="cpu: the launcher adds SGLang's CPU flags and environment itself"
     )
     python: str | None = Field(
-        None, description="interpreter that has SGLang (e.g. .venv-sglang/bin/python); None: the "
+        None,
+        description="interpreter that has SGLang (e.g. .venv-sglang/bin/python); None: the "
         "project's own. Checked when the config loads",
     )
     tp: PositiveInt = Field(1, description="tensor-parallel size of each server")
@@ -113,7 +106,8 @@ class SglangEngine(Section):
     )
     dtype: Literal["bfloat16", "float16", "float32"] = Field("bfloat16", description="engine weights dtype")
     gpus: list[Annotated[int, Field(ge=0)]] | None = Field(
-        None, description="launch.mode = local only: the GPU ids the engines use, tp of them per "
+        None,
+        description="launch.mode = local only: the GPU ids the engines use, tp of them per "
         "engine in order; None: the GPUs after the learner's GPU 0",
     )
     extra_args: list[str] = Field(default_factory=list, description="passed to launch_server")
@@ -138,11 +132,14 @@ class RolloutConfig(Section):
         120.0, gt=0.0, description="how long one generate request may take before its engine counts as unanswering"
     )
     start_timeout_s: float = Field(
-        600.0, gt=0.0, description="how long one engine server may take to answer /health (large "
+        600.0,
+        gt=0.0,
+        description="how long one engine server may take to answer /health (large "
         "checkpoints load slowly); progress goes to the log every 30 s",
     )
     seeded_sampling: bool | None = Field(
-        None, description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
+        None,
+        description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
         "None: on for the CPU engine (which derives one per sample), off for SGLang",
     )
 
@@ -173,7 +170,8 @@ class BufferConfig(Section):
     max_staleness: int = Field(1, ge=0, description="policy versions a group may lag")
     async_rollout: bool = Field(False, description="generate step k+1 while training step k")
     max_generated_groups_per_step: PositiveInt | None = Field(
-        None, description="most prompt groups one step may generate; at the bound the step trains on the "
+        None,
+        description="most prompt groups one step may generate; at the bound the step trains on the "
         "useful groups it has (a short batch, counted), and a bound spent without enough useful groups "
         "ends the run with a checkpoint; None: 64 x batch_groups",
     )
@@ -191,19 +189,25 @@ class WeightSyncConfig(Section):
         "auto", description="auto: nccl when the learner and the engines are all on cuda, else gloo"
     )
     pause_mode: Literal["abort", "retract", "in_place"] = Field(
-        "retract", description="what engines do with requests in flight during a sync; after "
+        "retract",
+        description="what engines do with requests in flight during a sync; after "
         "abort or retract the engines' prefix cache is flushed before they resume",
     )
     checksum: bool | None = Field(
-        None, description="engines verify a per-bucket sha256 (a CPU-engine extension SGLang has "
+        None,
+        description="engines verify a per-bucket sha256 (a CPU-engine extension SGLang has "
         "not got); None: on for the CPU engine, off for SGLang",
     )
     parity_tolerance: float | Literal["auto"] | None = Field(
-        "auto", description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
+        "auto",
+        description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
         "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
     )
     refusal_wait_s: float = Field(
-        0.5, ge=0.0, le=60.0, description="how long the first bucket of a sync waits for an "
+        0.5,
+        ge=0.0,
+        le=60.0,
+        description="how long the first bucket of a sync waits for an "
         "engine's refusal before its broadcast is posted (an unmatched NCCL broadcast hangs)",
     )
 
@@ -235,14 +239,17 @@ class TrainerConfig(Section):
     )
     seed: int = Field(0, description="seed of Megatron's RNGs, the prompt order and the rollouts' sampling")
     expert_bias_update_rate: float = Field(
-        0.0, ge=0.0, description="for routers with an expert score bias (DeepSeek-V3, Kimi-K2, GLM-4.5): "
+        0.0,
+        ge=0.0,
+        description="for routers with an expert score bias (DeepSeek-V3, Kimi-K2, GLM-4.5): "
         "Megatron's per-step bias update from the load imbalance, outside the gradient. 0 (default): the "
         "bias stays as the checkpoint has it, so the policy changes only through the loss and the "
         "engines route as the learner does; pretraining's 1e-3 would drift the routing every step",
     )
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
     resume: bool = Field(
-        False, description="continue from output_dir's checkpoint (weights, optimizer, sampler and "
+        False,
+        description="continue from output_dir's checkpoint (weights, optimizer, sampler and "
         "buffer; a synchronous CPU run then logs what an uninterrupted one would); false: start afresh",
     )
 
@@ -272,7 +279,8 @@ class LaunchConfig(Section):
     """Where the run's components live (launch/placement.py) and the local Ray they may start."""
 
     mode: Literal["ray", "local"] = Field(
-        "ray", description="ray: learner ranks, engines, buffer and verifiers as Ray actors; "
+        "ray",
+        description="ray: learner ranks, engines, buffer and verifiers as Ray actors; "
         "local: one learner rank in this process, no Ray (debugging)",
     )
     ray_address: str | None = Field(None, description="None: start a local Ray")

@@ -16,10 +16,26 @@ _WIDENING = {("bfloat16", "float32"), ("float16", "float32")}  # lossless casts 
 
 # Config fields that decide the tensors or the routing: two configs of one checkpoint must agree.
 MODEL_FIELDS = (
-    "model_type", "num_hidden_layers", "hidden_size", "num_attention_heads", "num_key_value_heads",
-    "head_dim", "num_experts", "n_routed_experts", "num_local_experts", "num_experts_per_tok",
-    "moe_intermediate_size", "vocab_size", "tie_word_embeddings", "norm_topk_prob", "n_group",
-    "topk_group", "first_k_dense_replace", "n_shared_experts", "kv_lora_rank", "q_lora_rank",
+    "model_type",
+    "num_hidden_layers",
+    "hidden_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "num_experts",
+    "n_routed_experts",
+    "num_local_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "vocab_size",
+    "tie_word_embeddings",
+    "norm_topk_prob",
+    "n_group",
+    "topk_group",
+    "first_k_dense_replace",
+    "n_shared_experts",
+    "kv_lora_rank",
+    "q_lora_rank",
 )
 
 
@@ -52,8 +68,10 @@ def target_dtype(hf_dir: str | Path, requested: str | None) -> str:
     config = json.loads((Path(hf_dir) / "config.json").read_text())
     declared = config.get("dtype") or config.get("torch_dtype") or "float32"
     if declared not in DTYPES.values():
-        raise ConvertError(f"{hf_dir}: config.json declares dtype {declared}, which the learner "
-                           "does not hold: pass --dtype fp32 or --dtype bf16")
+        raise ConvertError(
+            f"{hf_dir}: config.json declares dtype {declared}, which the learner "
+            "does not hold: pass --dtype fp32 or --dtype bf16"
+        )
     if not any(Path(hf_dir).glob("*.safetensors")):
         raise ConvertError(f"{hf_dir} holds no *.safetensors files")
     for name, header in sorted(safetensors_headers(hf_dir).items()):
@@ -61,7 +79,8 @@ def target_dtype(hf_dir: str | Path, requested: str | None) -> str:
         if dtype and dtype != declared and (dtype, declared) not in _WIDENING:
             raise ConvertError(
                 f"{name} is {dtype} in {hf_dir} but config.json declares {declared}: converting "
-                f"would round it; pass --dtype {_short(declared)} to accept that, or --dtype {_short(dtype)}")
+                f"would round it; pass --dtype {_short(declared)} to accept that, or --dtype {_short(dtype)}"
+            )
     return declared
 
 

@@ -86,32 +86,47 @@ def _compare_logits(workdir: Path, hf_dir: Path, tokens: list, dtype: str, *, st
 
     hf_logging.disable_progress_bar()  # ours are per layer; its per-tensor bar adds nothing
     # the config as the learner reads it (kimi_k2 as deepseek_v3)
-    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, config=read_hf_config(hf_dir),
-                                                       dtype=getattr(torch, dtype), output_loading_info=True)
+    model, info = AutoModelForCausalLM.from_pretrained(
+        hf_dir, config=read_hf_config(hf_dir), dtype=getattr(torch, dtype), output_loading_info=True
+    )
     for kind in ("missing_keys", "unexpected_keys", "mismatched_keys"):
         if strict_keys and info.get(kind):
-            raise ConvertError(f"transformers loads {hf_dir} with {kind.replace('_', ' ')}: "
-                               f"{sorted(map(str, info[kind]))[0]}")
+            raise ConvertError(
+                f"transformers loads {hf_dir} with {kind.replace('_', ' ')}: {sorted(map(str, info[kind]))[0]}"
+            )
     with torch.no_grad():
         reference = model(torch.tensor(tokens)).logits.float()
     ours = torch.load(workdir / "logits.pt")
     diff = (ours - reference).abs().max().item()
     tolerance = LOGIT_TOLERANCE[dtype] * max(1.0, reference.abs().max().item())
     if not diff <= tolerance:  # NaN fails too
-        raise ConvertError(f"verify: logits differ from HF transformers by up to {diff:.3g} "
-                           f"(tolerance {tolerance:.3g})")
+        raise ConvertError(
+            f"verify: logits differ from HF transformers by up to {diff:.3g} (tolerance {tolerance:.3g})"
+        )
     return {"max_logit_diff": diff, "logit_tolerance": tolerance, "probe_tokens": PROBE_SHAPE}
 
 
 def _require_bitwise(figures: dict) -> None:
     if figures["bitwise_equal"] != figures["tensors"]:
-        raise ConvertError(f"verify: {figures['tensors'] - figures['bitwise_equal']} of "
-                           f"{figures['tensors']} tensors changed, first {figures['first_unequal']}")
+        raise ConvertError(
+            f"verify: {figures['tensors'] - figures['bitwise_equal']} of "
+            f"{figures['tensors']} tensors changed, first {figures['first_unequal']}"
+        )
 
 
-def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep: int = 1,
-                etp: int | None = None, dtype: str | None = None, verify: bool = True,
-                device: str | None = None, stop: StopSignals | None = None) -> dict:
+def hf_to_mcore(
+    hf: str | Path,
+    out: str | Path,
+    *,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    dtype: str | None = None,
+    verify: bool = True,
+    device: str | None = None,
+    stop: StopSignals | None = None,
+) -> dict:
     """HF checkpoint → Megatron dist checkpoint (loadable in any layout), with the HF config
     and tokenizer files under out/hf. Returns the verify figures."""
     from megatron_rlvr.convert.hf_files import copy_side_files
@@ -123,8 +138,14 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
     parallel = resolve_layout(hf, _layout(tp, pp, ep, etp), _device(device))
     tokens = _probe_tokens(hf_config.vocab_size)
     with _output(out) as workdir:
-        job = {"command": "hf-to-mcore", "hf": str(hf), "out": str(out), "dtype": target,
-               "verify": verify, "tokens": tokens}
+        job = {
+            "command": "hf-to-mcore",
+            "hf": str(hf),
+            "out": str(out),
+            "dtype": target,
+            "verify": verify,
+            "tokens": tokens,
+        }
         figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         if verify:
             _require_bitwise(figures)
@@ -137,10 +158,21 @@ def hf_to_mcore(hf: str | Path, out: str | Path, *, tp: int = 1, pp: int = 1, ep
     return figures
 
 
-def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | None = None,
-                tp: int = 1, pp: int = 1, ep: int = 1, etp: int | None = None, dtype: str | None = None,
-                verify: bool = True, device: str | None = None, max_shard_mb: float = 5000.0,
-                stop: StopSignals | None = None) -> dict:
+def mcore_to_hf(
+    ckpt: str | Path,
+    out: str | Path,
+    *,
+    hf_config: str | Path | None = None,
+    tp: int = 1,
+    pp: int = 1,
+    ep: int = 1,
+    etp: int | None = None,
+    dtype: str | None = None,
+    verify: bool = True,
+    device: str | None = None,
+    max_shard_mb: float = 5000.0,
+    stop: StopSignals | None = None,
+) -> dict:
     """Megatron checkpoint (a converted one, or a learner checkpoint with --hf-config) → HF
     safetensors shards with their index, config and tokenizer files, in dtype (--dtype
     spelling; default: the checkpoint's, the dtype holding most of its elements). Returns the
@@ -157,25 +189,35 @@ def mcore_to_hf(ckpt: str | Path, out: str | Path, *, hf_config: str | Path | No
         config_dir = Path(hf_config).resolve()
         config = _read_config(config_dir, "--hf-config")
         if stored.is_dir():
-            compare_configs(config, _read_config(stored, "checkpoint"), f"--hf-config {config_dir}",
-                            f"checkpoint {ckpt}")
+            compare_configs(
+                config, _read_config(stored, "checkpoint"), f"--hf-config {config_dir}", f"checkpoint {ckpt}"
+            )
     elif stored.is_dir():
         config_dir, config = stored, _read_config(stored, "checkpoint")
     else:
-        raise ConvertError(f"--ckpt {ckpt} carries no HF config (not written by convert hf-to-mcore): "
-                           "pass --hf-config DIR")
+        raise ConvertError(
+            f"--ckpt {ckpt} carries no HF config (not written by convert hf-to-mcore): pass --hf-config DIR"
+        )
     parallel = resolve_layout(config_dir, _layout(tp, pp, ep, etp), _device(device))
     tokens = _probe_tokens(config.vocab_size)
     with _output(out) as workdir:
-        job = {"command": "mcore-to-hf", "ckpt": str(ckpt), "hf_config": str(config_dir),
-               "out": str(out), "verify": verify, "tokens": tokens, "dtype": DTYPES[dtype] if dtype else None,
-               "max_shard_bytes": int(max_shard_mb * 2**20)}
+        job = {
+            "command": "mcore-to-hf",
+            "ckpt": str(ckpt),
+            "hf_config": str(config_dir),
+            "out": str(out),
+            "verify": verify,
+            "tokens": tokens,
+            "dtype": DTYPES[dtype] if dtype else None,
+            "max_shard_bytes": int(max_shard_mb * 2**20),
+        }
         figures = run_ranks(job, parallel, workdir, stop=stop)[0]
         copy_side_files(config_dir, out, dtype=figures["dtype"])
         if verify:
             figures.update(_compare_logits(workdir, out, tokens, figures["dtype"], strict_keys=True))
-            figures.update(_round_trip(ckpt, out, figures["checkpoint_dtype"], figures["dtype"],
-                                       config.tie_word_embeddings))
+            figures.update(
+                _round_trip(ckpt, out, figures["checkpoint_dtype"], figures["dtype"], config.tie_word_embeddings)
+            )
     return figures
 
 
@@ -206,9 +248,13 @@ def _round_trip(ckpt: Path, out: Path, stored: str, written: str, tied: bool) ->
     if source is None or not any(source.glob("*.safetensors")):
         return {"round_trip": "no HF source recorded or found: tensors not compared"}
     produced = HFReader(out)
-    figures = compare_bitwise(((n, produced.get(n)) for n in sorted(produced.names())),
-                              _CastReader(HFReader(source), getattr(torch, stored)), getattr(torch, written),
-                              tied=tied, label=str(source))
+    figures = compare_bitwise(
+        ((n, produced.get(n)) for n in sorted(produced.names())),
+        _CastReader(HFReader(source), getattr(torch, stored)),
+        getattr(torch, written),
+        tied=tied,
+        label=str(source),
+    )
     _require_bitwise(figures)
     compared_as = stored if stored == written else f"{stored}, then {written}"
     return {**figures, "round_trip": str(source), "compared_as": compared_as}
@@ -222,22 +268,34 @@ def add_parser(sub) -> None:
     to_mcore = directions.add_parser("hf-to-mcore", help="HF checkpoint -> Megatron dist checkpoint")
     to_mcore.add_argument("--hf", required=True, help="HF checkpoint directory")
     to_mcore.add_argument("--out", required=True, help="new directory for the Megatron checkpoint")
-    to_mcore.add_argument("--dtype", choices=sorted(DTYPES),
-                          help="weights dtype; default: config.json's, refused if that would round a tensor")
+    to_mcore.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="weights dtype; default: config.json's, refused if that would round a tensor",
+    )
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors")
     to_hf.add_argument("--ckpt", required=True, help="Megatron checkpoint (converted, or a learner's)")
     to_hf.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     to_hf.add_argument("--hf-config", help="HF config and tokenizer directory; default: the checkpoint's own")
-    to_hf.add_argument("--dtype", choices=sorted(DTYPES),
-                       help="weights dtype; default: the checkpoint's (the dtype holding most of its elements)")
+    to_hf.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        help="weights dtype; default: the checkpoint's (the dtype holding most of its elements)",
+    )
     to_hf.add_argument("--max-shard-mb", type=float, default=5000.0, help="largest safetensors file")
     for parser in (to_mcore, to_hf):
         for flag, meaning in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):
             parser.add_argument(f"--{flag}", type=int, default=1, help=f"{meaning}-parallel ranks")
         parser.add_argument("--etp", type=int, help="expert tensor-parallel ranks; default: --tp")
-        parser.add_argument("--device", choices=["cpu", "cuda"], help="default: cuda when available with transformer-engine")
-        parser.add_argument("--verify", action=argparse.BooleanOptionalAction, default=True,
-                            help="compare logits with HF transformers and tensors bitwise (default: on)")
+        parser.add_argument(
+            "--device", choices=["cpu", "cuda"], help="default: cuda when available with transformer-engine"
+        )
+        parser.add_argument(
+            "--verify",
+            action=argparse.BooleanOptionalAction,
+            default=True,
+            help="compare logits with HF transformers and tensors bitwise (default: on)",
+        )
 
 
 def describe(figures: dict) -> list[str]:
@@ -245,26 +303,35 @@ def describe(figures: dict) -> list[str]:
     lines = []
     if "tensors" in figures:
         compared_as = f" in {figures['compared_as']}" if "compared_as" in figures else ""
-        lines.append(f"verify: {figures['bitwise_equal']}/{figures['tensors']} tensors bitwise equal "
-                     f"to the source{compared_as} ({figures.get('round_trip', 'after reloading the saved checkpoint')})")
+        lines.append(
+            f"verify: {figures['bitwise_equal']}/{figures['tensors']} tensors bitwise equal "
+            f"to the source{compared_as} ({figures.get('round_trip', 'after reloading the saved checkpoint')})"
+        )
     elif "round_trip" in figures:
         lines.append(f"verify: {figures['round_trip']}")
     if "max_logit_diff" in figures:
         tokens = "x".join(map(str, figures["probe_tokens"]))
-        lines.append(f"verify: max |logit diff| vs HF transformers {figures['max_logit_diff']:.3g} "
-                     f"over {tokens} tokens (tolerance {figures['logit_tolerance']:.3g})")
+        lines.append(
+            f"verify: max |logit diff| vs HF transformers {figures['max_logit_diff']:.3g} "
+            f"over {tokens} tokens (tolerance {figures['logit_tolerance']:.3g})"
+        )
     return lines
 
 
 def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
-    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, verify=args.verify, device=args.device,
-                  stop=stop)
+    layout = dict(tp=args.tp, pp=args.pp, ep=args.ep, etp=args.etp, verify=args.verify, device=args.device, stop=stop)
     try:
         if args.direction == "hf-to-mcore":
             figures = hf_to_mcore(args.hf, args.out, dtype=args.dtype, **layout)
         else:
-            figures = mcore_to_hf(args.ckpt, args.out, hf_config=args.hf_config, dtype=args.dtype,
-                                  max_shard_mb=args.max_shard_mb, **layout)
+            figures = mcore_to_hf(
+                args.ckpt,
+                args.out,
+                hf_config=args.hf_config,
+                dtype=args.dtype,
+                max_shard_mb=args.max_shard_mb,
+                **layout,
+            )
     except StopRequested as err:
         print(f"megatron-rlvr convert: {err}; every rank was stopped and no output was left", file=sys.stderr)
         return 130

@@ -78,8 +78,9 @@ def copy_side_files(src: str | Path, dst: str | Path, dtype: str | None = None) 
         (dst / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def compare_bitwise(produced: Iterable[tuple[str, torch.Tensor]], reference, dtype: torch.dtype,
-                    *, tied: bool, label: str) -> dict:
+def compare_bitwise(
+    produced: Iterable[tuple[str, torch.Tensor]], reference, dtype: torch.dtype, *, tied: bool, label: str
+) -> dict:
     """Compares a stream of (name, tensor) with a reference (names() and get(name)) tensor by
     tensor, the reference cast to dtype (the conversion's own, asked-for cast). A tensor either
     side lacks is refused by name (a tied lm_head may be absent). Returns the figures: tensors
@@ -94,8 +95,11 @@ def compare_bitwise(produced: Iterable[tuple[str, torch.Tensor]], reference, dty
         if tensor.shape == expected.shape and torch.equal(tensor.cpu(), expected):
             equal += 1
         elif first is None:
-            diff = ((tensor.cpu().float() - expected.float()).abs().max().item()
-                    if tensor.shape == expected.shape else "in shape")
+            diff = (
+                (tensor.cpu().float() - expected.float()).abs().max().item()
+                if tensor.shape == expected.shape
+                else "in shape"
+            )
             first = f"{name} (max abs diff {diff})"
     if names - seen:
         raise ConvertError(f"unexpected tensor {sorted(names - seen)[0]} in {label}: the model has no place for it")

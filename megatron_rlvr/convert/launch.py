@@ -22,16 +22,20 @@ def resolve_layout(config_dir: str | Path, layout: dict, device: str) -> Resolve
     from megatron_rlvr.config import BufferConfig, ConfigError
 
     experts = (layout["ep"] or 1) * (layout["etp"] or layout["tp"] or 1)
-    cfg = Config(model=HFModel(path=str(config_dir)), buffer=BufferConfig(batch_groups=experts),
-                 parallel=ParallelConfig(device=device, **{k: v for k, v in layout.items() if v}))
+    cfg = Config(
+        model=HFModel(path=str(config_dir)),
+        buffer=BufferConfig(batch_groups=experts),
+        parallel=ParallelConfig(device=device, **{k: v for k, v in layout.items() if v}),
+    )
     try:
         return resolve(cfg).parallel
     except ConfigError as err:
         raise ConvertError(err.problems[0].replace("parallel.", "--")) from err
 
 
-def run_ranks(job: dict, parallel: ResolvedParallel, workdir: Path, attempts: int = 3,
-              stop: StopSignals | None = None) -> list[dict]:
+def run_ranks(
+    job: dict, parallel: ResolvedParallel, workdir: Path, attempts: int = 3, stop: StopSignals | None = None
+) -> list[dict]:
     """Starts the ranks, waits for all of them, and returns each rank's result. The first rank
     to fail stops the others (they would wait forever in a collective) and its one-line error
     is raised as ConvertError. A rendezvous port taken meanwhile is retried. A stop request
@@ -46,8 +50,9 @@ def run_ranks(job: dict, parallel: ResolvedParallel, workdir: Path, attempts: in
         codes = _start_and_wait(job_path, world, free_port(), workdir, parallel.device, stop or StopSignals())
         if PORT_TAKEN not in codes:
             break
-    results = [json.loads(p.read_text()) if p.exists() else {}
-               for p in (workdir / f"rank{rank}.json" for rank in range(world))]
+    results = [
+        json.loads(p.read_text()) if p.exists() else {} for p in (workdir / f"rank{rank}.json" for rank in range(world))
+    ]
     for result in results:
         if "error" in result:
             raise ConvertError(result["error"])
@@ -59,22 +64,36 @@ def run_ranks(job: dict, parallel: ResolvedParallel, workdir: Path, attempts: in
     return results
 
 
-def _start_and_wait(job_path: Path, world: int, port: int, workdir: Path, device: str,
-                    stop: StopSignals) -> list[int | None]:
+def _start_and_wait(
+    job_path: Path, world: int, port: int, workdir: Path, device: str, stop: StopSignals
+) -> list[int | None]:
     """Exit codes per rank; None for a rank stopped because another one failed (or because
     this process was interrupted: no rank outlives it)."""
     threads = max(1, (os.cpu_count() or 1) // world) if device == "cpu" else 1
     procs, logs = [], []
     try:
         for rank in range(world):
-            env = {**os.environ, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                   "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": str(threads)}
+            env = {
+                **os.environ,
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "OMP_NUM_THREADS": str(threads),
+            }
             # rank 0 talks to the user (progress bars); the others keep a log for when they fail
             log = None if rank == 0 else open(workdir / f"rank{rank}.log", "w")
             logs.append(log)
-            procs.append(subprocess.Popen(
-                [sys.executable, "-m", "megatron_rlvr.convert.worker", str(job_path)],
-                env=env, stdout=log, stderr=subprocess.STDOUT if log else None))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "megatron_rlvr.convert.worker", str(job_path)],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT if log else None,
+                )
+            )
+
         def ended(poll_s: float) -> bool:
             time.sleep(poll_s)
             return all(p.poll() is not None for p in procs) or any(p.poll() not in (None, 0) for p in procs)

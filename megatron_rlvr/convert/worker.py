@@ -24,8 +24,7 @@ def _progress(total: int, desc: str):
     from tqdm import tqdm
 
     rank0 = int(os.environ.get("RANK", 0)) == 0
-    return tqdm(total=total, desc=desc, unit="layer", disable=None if rank0 else True,
-                file=sys.stderr, leave=False)
+    return tqdm(total=total, desc=desc, unit="layer", disable=None if rank0 else True, file=sys.stderr, leave=False)
 
 
 def _by_layer(pairs, num_layers: int, desc: str):
@@ -67,8 +66,10 @@ def _parts(model) -> tuple:
         return root
 
     head = view({n: m for n, m in model.named_children() if n not in ("decoder", "output_layer")}, {})
-    layers = [view({}, {"layers": torch.nn.ModuleList([torch.nn.Module()] * i + [layer])})
-              for i, layer in enumerate(model.decoder.layers)]
+    layers = [
+        view({}, {"layers": torch.nn.ModuleList([torch.nn.Module()] * i + [layer])})
+        for i, layer in enumerate(model.decoder.layers)
+    ]
     output = {"output_layer": model.output_layer} if getattr(model, "output_layer", None) else {}
     tail = view(output, {n: m for n, m in model.decoder.named_children() if n != "layers"})
     covered = [id(p) for v in (head, *layers, tail) for p in v.parameters()]
@@ -108,10 +109,10 @@ def _logits(modules, tokens: list, workdir: str) -> None:
         return gather_from_tensor_model_parallel_region(output).float().cpu()
 
     with torch.no_grad():
-        outputs = run_schedule(modules, [TrainBatch(ids, torch.zeros(ids.shape))], collect,
-                                forward_only=True, collect=True)
-    if (mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0
-            and mpu.get_data_parallel_rank() == 0):
+        outputs = run_schedule(
+            modules, [TrainBatch(ids, torch.zeros(ids.shape))], collect, forward_only=True, collect=True
+        )
+    if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         torch.save(outputs[0], Path(workdir) / "logits.pt")
 
 
@@ -139,8 +140,9 @@ def hf_to_mcore(job: dict) -> dict:
     export = _by_layer(export_hf_weights(modules, bridge), hf_config.num_hidden_layers, "verifying")
     figures = {}
     if int(os.environ["RANK"]) == 0:
-        figures = compare_bitwise(export, HFReader(job["hf"]), dtype,
-                                  tied=hf_config.tie_word_embeddings, label=job["hf"])
+        figures = compare_bitwise(
+            export, HFReader(job["hf"]), dtype, tied=hf_config.tie_word_embeddings, label=job["hf"]
+        )
     else:
         for _ in export:  # collective: every rank takes part in every gather
             pass
@@ -181,8 +183,10 @@ def mcore_to_hf(job: dict) -> dict:
     bridge, modules = _build(hf_config, job["parallel"]["device"], written)
     load_model(modules, job["ckpt"])
     export = _by_layer(export_hf_weights(modules, bridge), hf_config.num_hidden_layers, "writing")
-    result: dict[str, Any] = {"dtype": str(written).removeprefix("torch."),
-                              "checkpoint_dtype": str(stored).removeprefix("torch.")}
+    result: dict[str, Any] = {
+        "dtype": str(written).removeprefix("torch."),
+        "checkpoint_dtype": str(stored).removeprefix("torch."),
+    }
     if int(os.environ["RANK"]) == 0:
         writer = ShardedSafetensors(job["out"], job["max_shard_bytes"])
         for name, tensor in export:

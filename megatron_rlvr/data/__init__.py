@@ -11,5 +11,15 @@ from megatron_rlvr.data.chat import EncodedPrompts, PromptRenderer
 from megatron_rlvr.data.check import check_inputs, load_data
 from megatron_rlvr.data.records import DataError, LoadedPrompts, PromptRecord
 
-__all__ = ["CHAT_TEMPLATE", "DataError", "EncodedPrompts", "LoadedPrompts", "PromptRecord", "PromptRenderer",
-           "arithmetic_prompts", "build_arithmetic_tokenizer", "check_inputs", "load_data"]
+__all__ = [
+    "CHAT_TEMPLATE",
+    "DataError",
+    "EncodedPrompts",
+    "LoadedPrompts",
+    "PromptRecord",
+    "PromptRenderer",
+    "arithmetic_prompts",
+    "build_arithmetic_tokenizer",
+    "check_inputs",
+    "load_data",
+]

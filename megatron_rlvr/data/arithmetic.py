@@ -34,8 +34,9 @@ def arithmetic_prompts(spec: ArithmeticSource) -> LoadedPrompts:
         a, b = rng.randint(0, spec.max_operand), rng.randint(0, spec.max_operand)
         op = rng.choice("+*")
         answer = str(a + b if op == "+" else a * b)
-        records.append(PromptRecord(f"arith-{i}", [{"role": "user", "content": f"{a}{op}{b}="}], answer,
-                                    "math", "arithmetic"))
+        records.append(
+            PromptRecord(f"arith-{i}", [{"role": "user", "content": f"{a}{op}{b}="}], answer, "math", "arithmetic")
+        )
     return LoadedPrompts(records)
 
 
@@ -50,8 +51,14 @@ def build_arithmetic_tokenizer(out_dir: str | Path, chars: str = "0123456789+*-=
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     core.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     core.decoder = decoders.Fuse()  # characters back to the exact string, no separators
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, pad_token="<pad>", bos_token="<bos>",
-                                        eos_token="<eos>", unk_token="<unk>", clean_up_tokenization_spaces=False)
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return tokenizer

@@ -36,16 +36,20 @@ class PromptRenderer:
         self.template = _template_text(fmt.chat_template)
         has_template = self.template is not None or getattr(tokenizer, "chat_template", None) is not None
         if fmt.apply_chat_template and not has_template:
-            raise DataError("data.apply_chat_template = true: the tokenizer has no chat template "
-                            "(give one in data.chat_template)")
+            raise DataError(
+                "data.apply_chat_template = true: the tokenizer has no chat template (give one in data.chat_template)"
+            )
         self.chat = has_template if fmt.apply_chat_template is None else fmt.apply_chat_template
 
     def messages(self, record: PromptRecord) -> list[dict]:
         """The conversation to render: the record's messages (a string prompt is one user
         message), the system prompt first unless the record has its own, the instruction
         appended to the last user message."""
-        messages = ([{"role": "user", "content": record.prompt}] if isinstance(record.prompt, str)
-                    else [dict(m) for m in record.prompt])
+        messages = (
+            [{"role": "user", "content": record.prompt}]
+            if isinstance(record.prompt, str)
+            else [dict(m) for m in record.prompt]
+        )
         if self.fmt.system_prompt and not any(m["role"] == "system" for m in messages):
             messages.insert(0, {"role": "system", "content": self.fmt.system_prompt})
         if self.fmt.instruction:
@@ -56,8 +60,13 @@ class PromptRenderer:
     def _ids(self, conversations: list[list[dict]]) -> list[list[int]]:
         if self.chat:
             return self.tokenizer.apply_chat_template(
-                conversations, add_generation_prompt=True, tokenize=True, return_dict=False,
-                chat_template=self.template, **self.fmt.chat_template_kwargs)
+                conversations,
+                add_generation_prompt=True,
+                tokenize=True,
+                return_dict=False,
+                chat_template=self.template,
+                **self.fmt.chat_template_kwargs,
+            )
         bos = [self.tokenizer.bos_token_id] if self.tokenizer.bos_token_id is not None else []
         texts = ["\n".join(m["content"] for m in conversation) for conversation in conversations]
         return [bos + ids for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
@@ -70,7 +79,7 @@ class PromptRenderer:
         limit = self.fmt.max_prompt_tokens
         too_long: set[str] = set()
         for start in range(0, len(unique), CHUNK):
-            chunk = unique[start:start + CHUNK]
+            chunk = unique[start : start + CHUNK]
             for record, prompt_ids in zip(chunk, self._ids([self.messages(r) for r in chunk])):
                 if limit is not None and len(prompt_ids) > limit:
                     too_long.add(record.prompt_id)
@@ -78,8 +87,13 @@ class PromptRenderer:
                     ids[record.prompt_id] = np.asarray(prompt_ids, dtype=np.int32)
         kept = [r for r in records if r.prompt_id in ids]
         if too_long:
-            log.warning("%s: %d of %d prompts are longer than data.max_prompt_tokens = %d tokens: dropped",
-                        what, len(too_long), len(unique), limit)
+            log.warning(
+                "%s: %d of %d prompts are longer than data.max_prompt_tokens = %d tokens: dropped",
+                what,
+                len(too_long),
+                len(unique),
+                limit,
+            )
         if not kept:
             raise DataError(f"{what}: every prompt is longer than data.max_prompt_tokens = {limit}")
         return EncodedPrompts(kept, ids, len(too_long))

@@ -23,8 +23,13 @@ from megatron_rlvr.data.records import LoadedPrompts
 log = logging.getLogger(__name__)
 
 
-def load_data(source: ArithmeticSource | ResolvedFileSource, verifiers: VerifierConfig, *, where: str = "data",
-              skip_bad_rows: bool = False) -> LoadedPrompts:
+def load_data(
+    source: ArithmeticSource | ResolvedFileSource,
+    verifiers: VerifierConfig,
+    *,
+    where: str = "data",
+    skip_bad_rows: bool = False,
+) -> LoadedPrompts:
     """The records of one source; `where` is its dotted config name (data, eval.sets.NAME)."""
     if isinstance(source, ArithmeticSource):
         return arithmetic_prompts(source)
@@ -42,8 +47,9 @@ def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPro
         loaded[where] = load_data(source, cfg.verifier, where=where, skip_bad_rows=cfg.data.skip_bad_rows)
         skipped = loaded[where].skipped
         if skipped and report:
-            log.warning("%s: %d bad rows skipped (data.skip_bad_rows), the first: %s: %s", where, len(skipped),
-                        *skipped[0])
+            log.warning(
+                "%s: %d bad rows skipped (data.skip_bad_rows), the first: %s: %s", where, len(skipped), *skipped[0]
+            )
             for at, reason in skipped[1:]:
                 log.debug("skipped %s: %s", at, reason)
     return loaded
@@ -68,4 +74,3 @@ def check_inputs(cfg: ResolvedConfig) -> dict[str, LoadedPrompts]:
 
         wandb_module(check_only=True)
     return loaded
-

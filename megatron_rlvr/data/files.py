@@ -42,8 +42,9 @@ def _messages(prompt: Any, key: str) -> str | list[dict[str, Any]]:
             raise BadRow(f"{key!r} is empty")
         return prompt
     if not isinstance(prompt, list) or not prompt:
-        raise BadRow(f"{key!r} must be a string or a non-empty list of {{role, content}} messages "
-                     f"(got {type(prompt).__name__})")
+        raise BadRow(
+            f"{key!r} must be a string or a non-empty list of {{role, content}} messages (got {type(prompt).__name__})"
+        )
     for i, message in enumerate(prompt):
         if not isinstance(message, dict) or not isinstance(message.get("content"), str):
             raise BadRow(f"{key!r} message {i}: needs a string 'content'")
@@ -92,8 +93,14 @@ def parse_row(row: Any, source: ResolvedFileSource, verifiers: VerifierConfig) -
             raise BadRow(f"{source.answer_key!r} holds no usable code tests: {err}") from None
     extra = lookup(row, source.extra_key)
     ident = lookup(row, source.id_key)
-    return PromptRecord("" if ident in (_MISSING, None) else str(ident), prompt, answer, verifier, data_source,
-                        extra if isinstance(extra, dict) else None)
+    return PromptRecord(
+        "" if ident in (_MISSING, None) else str(ident),
+        prompt,
+        answer,
+        verifier,
+        data_source,
+        extra if isinstance(extra, dict) else None,
+    )
 
 
 def _rows(path: Path, source: ResolvedFileSource) -> Iterator[tuple[str, int, Any]]:
@@ -103,8 +110,14 @@ def _rows(path: Path, source: ResolvedFileSource) -> Iterator[tuple[str, int, An
         import pyarrow.parquet as pq
 
         schema = pq.read_schema(path)
-        keys = [source.prompt_key, source.answer_key, source.verifier_key, source.data_source_key,
-                source.id_key, source.extra_key]
+        keys = [
+            source.prompt_key,
+            source.answer_key,
+            source.verifier_key,
+            source.data_source_key,
+            source.id_key,
+            source.extra_key,
+        ]
         columns = sorted({k if k in schema.names else k.split(".")[0] for k in keys} & set(schema.names))
         for number, row in enumerate(pq.read_table(path, columns=columns).to_pylist(), start=1):
             yield f"{path}:row {number}", number, row
@@ -143,8 +156,15 @@ def _open_check(path: Path, where: str) -> None:
         raise DataError(f"{where} = '{path}': the file is empty")
 
 
-def load_file(path: Path, source: ResolvedFileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool,
-              label: str = "") -> LoadedPrompts:
+def load_file(
+    path: Path,
+    source: ResolvedFileSource,
+    verifiers: VerifierConfig,
+    *,
+    where: str,
+    skip_bad_rows: bool,
+    label: str = "",
+) -> LoadedPrompts:
     """Every row of one file; `where` names its config field (data.path, eval.sets.X.path) and
     `label` prefixes prompt ids (several files)."""
     _open_check(path, where)
@@ -173,8 +193,10 @@ def load_file(path: Path, source: ResolvedFileSource, verifiers: VerifierConfig,
             loaded.skipped.append((at, str(err)))
     if not loaded.records:
         first = loaded.skipped[0]
-        raise DataError(f"{where} = '{path}': no usable prompts ({len(loaded.skipped)} bad rows skipped; "
-                        f"first: {first[0]}: {first[1]})")
+        raise DataError(
+            f"{where} = '{path}': no usable prompts ({len(loaded.skipped)} bad rows skipped; "
+            f"first: {first[0]}: {first[1]})"
+        )
     return loaded
 
 
@@ -182,13 +204,19 @@ def _fields(record: PromptRecord) -> tuple:
     return record.prompt, record.answer, record.verifier, record.data_source, record.extra
 
 
-def load_source(source: ResolvedFileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool) -> LoadedPrompts:
+def load_source(
+    source: ResolvedFileSource, verifiers: VerifierConfig, *, where: str, skip_bad_rows: bool
+) -> LoadedPrompts:
     """Every file of a source; with weights, each file's share of the mixture (files drawn
     more often than they have rows repeat whole, then a seeded sample of the rest)."""
     paths = [Path(p) for p in source.paths]
     several = len(paths) > 1
-    per_file = [load_file(p, source, verifiers, where=f"{where}.path", skip_bad_rows=skip_bad_rows,
-                          label=p.name if several else "") for p in paths]
+    per_file = [
+        load_file(
+            p, source, verifiers, where=f"{where}.path", skip_bad_rows=skip_bad_rows, label=p.name if several else ""
+        )
+        for p in paths
+    ]
     skipped = [s for loaded in per_file for s in loaded.skipped]
     if source.weights is None:
         return LoadedPrompts([r for loaded in per_file for r in loaded.records], skipped)

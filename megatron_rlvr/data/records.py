@@ -28,8 +28,14 @@ class PromptRecord:
 
     def to_dict(self) -> dict[str, Any]:
         """The record as a custom verifier receives it (plain JSON types)."""
-        return {"id": self.prompt_id, "prompt": self.prompt, "ground_truth": self.answer,
-                "verifier": self.verifier, "data_source": self.data_source, "extra_info": self.extra}
+        return {
+            "id": self.prompt_id,
+            "prompt": self.prompt,
+            "ground_truth": self.answer,
+            "verifier": self.verifier,
+            "data_source": self.data_source,
+            "extra_info": self.extra,
+        }
 
 
 @dataclass

@@ -40,9 +40,14 @@ def ray_session(cfg: ResolvedConfig, temp_dir: str):
     if launch.ray_address:
         ray.init(address=launch.ray_address, log_to_driver=False)
     else:
-        ray.init(num_cpus=launch.num_cpus or os.cpu_count(), num_gpus=None,
-                 object_store_memory=launch.object_store_mb * 2**20, include_dashboard=False,
-                 log_to_driver=False, _temp_dir=temp_dir)
+        ray.init(
+            num_cpus=launch.num_cpus or os.cpu_count(),
+            num_gpus=None,
+            object_store_memory=launch.object_store_mb * 2**20,
+            include_dashboard=False,
+            log_to_driver=False,
+            _temp_dir=temp_dir,
+        )
     if callable(on_sigterm):  # Ray's crash handler took SIGTERM over: the run's own shutdown comes first
         signal.signal(signal.SIGTERM, on_sigterm)
     try:
@@ -71,4 +76,5 @@ def check_fits(cfg: ResolvedConfig, available: dict[str, float]) -> None:
             raise ClusterError(
                 f"the run needs {amount:g} {name}s (learner tp·pp·dp = {p.tp}·{p.pp}·{p.dp} on "
                 f"{p.device}, {cfg.rollout.num_engines} {cfg.rollout.engine.type} engines) but the "
-                f"Ray cluster has {available.get(name, 0.0):g}")
+                f"Ray cluster has {available.get(name, 0.0):g}"
+            )

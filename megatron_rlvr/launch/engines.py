@@ -19,7 +19,9 @@ if TYPE_CHECKING:
 
 
 class EngineHost:
-    def __init__(self, cfg: ResolvedConfig, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None):
+    def __init__(
+        self, cfg: ResolvedConfig, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None
+    ):
         """gpus: the GPU ids the server may see (None: as the process environment says)."""
         self.cfg, self.model_dir, self.log_dir, self.index, self.gpus = cfg, model_dir, log_dir, index, gpus
         self.server: ServerProcess | None = None
@@ -33,9 +35,15 @@ class EngineHost:
         rollout = self.cfg.rollout
         bind = rollout.host
         self.server = server = engine_process(
-            self.model_dir, rollout.engine, host=bind, port=free_port("" if bind == "0.0.0.0" else bind),
-            routed_experts=rollout.return_routed_experts, log_dir=self.log_dir,
-            name=f"engine {self.index} ({rollout.engine.type})", gpus=self.gpus)
+            self.model_dir,
+            rollout.engine,
+            host=bind,
+            port=free_port("" if bind == "0.0.0.0" else bind),
+            routed_experts=rollout.return_routed_experts,
+            log_dir=self.log_dir,
+            name=f"engine {self.index} ({rollout.engine.type})",
+            gpus=self.gpus,
+        )
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
         server.start(rollout.start_timeout_s)
@@ -79,7 +87,7 @@ def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
     GPUs after the learner's GPU 0 (engine 0 gets 1..tp, engine 1 the next tp, ...)."""
     if gpus is None:
         return list(range(1 + index * tp, 1 + (index + 1) * tp))
-    return gpus[index * tp:(index + 1) * tp]
+    return gpus[index * tp : (index + 1) * tp]
 
 
 class EngineFleet:
@@ -87,8 +95,10 @@ class EngineFleet:
 
     def __init__(self, cfg: ResolvedConfig, model_dir: Path, placement: Placement):
         log_dir = str(Path(cfg.trainer.output_dir) / "logs")
-        self.hosts = [placement.place(Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i,
-                                      placement.engine_gpus(i), index=i) for i in range(cfg.rollout.num_engines)]
+        self.hosts = [
+            placement.place(Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i, placement.engine_gpus(i), index=i)
+            for i in range(cfg.rollout.num_engines)
+        ]
         self.urls: list[str] = []
 
     def _call(self, index: int, method: str, *args):

@@ -50,15 +50,18 @@ class LearnerRank:
         from megatron_rlvr.rollout.client import EngineClient
         from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
-        init_parallel(self.cfg.parallel, Rendezvous(self.rank, self.world_size, *master),
-                      seed=self.cfg.trainer.seed)
+        init_parallel(self.cfg.parallel, Rendezvous(self.rank, self.world_size, *master), seed=self.cfg.trainer.seed)
         self.joined = True
         self.learner = Learner(self.cfg, self.model_dir)
         if self.rank != 0:
             return None
         self.clients = [EngineClient(url, timeout_s=self.cfg.rollout.request_timeout_s) for url in engine_urls]
-        syncer = WeightSyncer(self.clients, self.cfg.weight_sync, master_address=master[0],
-                              engine_ranks=engine_ranks(self.cfg, len(self.clients)))
+        syncer = WeightSyncer(
+            self.clients,
+            self.cfg.weight_sync,
+            master_address=master[0],
+            engine_ranks=engine_ranks(self.cfg, len(self.clients)),
+        )
         self.syncer = syncer
         self.loop.run_until_complete(syncer.connect())
         return syncer.version
@@ -112,14 +115,17 @@ class LearnerGroup:
         self.ranks, self.placement, self.stop = ranks, placement, stop
 
     @classmethod
-    def start(cls, cfg: ResolvedConfig, model_dir: Path, engine_urls: list[str], placement: Placement,
-              stop: StopSignals) -> tuple[LearnerGroup, int]:
+    def start(
+        cls, cfg: ResolvedConfig, model_dir: Path, engine_urls: list[str], placement: Placement, stop: StopSignals
+    ) -> tuple[LearnerGroup, int]:
         """The ranks of cfg.parallel's layout, set up (a stop request ends the wait); also the
         engines' weight version."""
         p = cfg.parallel
         world = p.tp * p.pp * p.dp
-        ranks = [placement.place(Role.LEARNER_RANK, LearnerRank, cfg, str(model_dir), rank, world, index=rank)
-                 for rank in range(world)]
+        ranks = [
+            placement.place(Role.LEARNER_RANK, LearnerRank, cfg, str(model_dir), rank, world, index=rank)
+            for rank in range(world)
+        ]
         group = cls(ranks, placement, stop)
         try:
             master = ranks[0].call("rendezvous_address")
@@ -131,7 +137,9 @@ class LearnerGroup:
         return group, version
 
     def _all(self, method: str, *args):
-        args = tuple(self.placement.share(a) if isinstance(a, TrainBatch) else a for a in args)  # one copy for all ranks
+        args = tuple(
+            self.placement.share(a) if isinstance(a, TrainBatch) else a for a in args
+        )  # one copy for all ranks
         return call_all(self.ranks, method, *args, stop=self.stop)[0]
 
     def compute_logprobs(self, batch: TrainBatch) -> torch.Tensor:

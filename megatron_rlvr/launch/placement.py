@@ -76,8 +76,9 @@ class AsyncProxy:
         return call
 
 
-def call_all(handles: list[Handle], method: str, *args, stop: StopSignals | None = None,
-             urgent_only: bool = True) -> list:
+def call_all(
+    handles: list[Handle], method: str, *args, stop: StopSignals | None = None, urgent_only: bool = True
+) -> list:
     """method(*args) on every handle at once; returns their results in order. The first
     failure is raised at once (ranks blocked in a collective with a rank that died would
     otherwise keep the caller waiting). A stop request ends the wait: by default only a
@@ -95,8 +96,11 @@ def call_all(handles: list[Handle], method: str, *args, stop: StopSignals | None
                 call.result()
         return not waiting
 
-    stop.wait_until(all_done, f"{method} on {len(handles)} {type(handles[0]).__name__}s" if handles else method,
-                    urgent_only=urgent_only)
+    stop.wait_until(
+        all_done,
+        f"{method} on {len(handles)} {type(handles[0]).__name__}s" if handles else method,
+        urgent_only=urgent_only,
+    )
     return [call.result() for call in calls]
 
 
@@ -241,7 +245,8 @@ class InProcess(Placement):
             raise EngineStartError(
                 f"engine {index}: launch.mode = local puts it on GPUs {ids} (the learner has GPU 0) but "
                 f"this machine has {torch.cuda.device_count()}; set rollout.engine.gpus (e.g. [0] to share "
-                "the learner's GPU, with a small rollout.engine.mem_fraction_static)")
+                "the learner's GPU, with a small rollout.engine.mem_fraction_static)"
+            )
         return ids
 
 
@@ -306,8 +311,13 @@ class RayActors(Placement):
             ray.get(self._group.ready(), timeout=float(os.environ.get("RLVR_PLACEMENT_TIMEOUT_S", 600)))
             nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
             self._learner_bundles = sorted(range(world), key=lambda b: (nodes[b], b))
-        return {"num_gpus": 1, "num_cpus": 1, "scheduling_strategy": PlacementGroupSchedulingStrategy(
-            self._group, placement_group_bundle_index=self._learner_bundles[rank])}
+        return {
+            "num_gpus": 1,
+            "num_cpus": 1,
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                self._group, placement_group_bundle_index=self._learner_bundles[rank]
+            ),
+        }
 
     def place(self, role: Role, cls: type, *args, index: int = 0, **kwargs) -> Handle:
         import ray

@@ -33,8 +33,10 @@ def head_address() -> tuple[str, int]:
 def describe(node: dict) -> str:
     name = node.get("Labels", {}).get(NODE_LABEL) or node["NodeManagerHostname"]
     res = node.get("Resources", {})
-    return (f"{name} at {node['NodeManagerAddress']}:{node['NodeManagerPort']} "
-            f"({res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs)")
+    return (
+        f"{name} at {node['NodeManagerAddress']}:{node['NodeManagerPort']} "
+        f"({res.get('CPU', 0):g} CPUs, {res.get('GPU', 0):g} GPUs)"
+    )
 
 
 def wait_for_nodes(address: str, count: int, timeout_s: float, poll_s: float = 0.5) -> bool:
@@ -55,8 +57,11 @@ def wait_for_nodes(address: str, count: int, timeout_s: float, poll_s: float = 0
             if len(alive) >= count:
                 return True
             if time.monotonic() > deadline:
-                print(f"ray: {count - len(alive)} of {count} nodes did not join within "
-                      f"{timeout_s:g} s (see the ray-*.log files beside this log)", flush=True)
+                print(
+                    f"ray: {count - len(alive)} of {count} nodes did not join within "
+                    f"{timeout_s:g} s (see the ray-*.log files beside this log)",
+                    flush=True,
+                )
                 return False
             time.sleep(poll_s)
     finally:

@@ -27,8 +27,17 @@ from megatron_rlvr.config import HFModel, ResolvedConfig, SglangEngine, data_sou
 from megatron_rlvr.errors import UserError
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
-FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY",
-                "PREEMPTED", "BOOT_FAIL", "DEADLINE"}
+FINAL_STATES = {
+    "COMPLETED",
+    "FAILED",
+    "CANCELLED",
+    "TIMEOUT",
+    "NODE_FAIL",
+    "OUT_OF_MEMORY",
+    "PREEMPTED",
+    "BOOT_FAIL",
+    "DEADLINE",
+}
 
 
 class SubmitError(UserError, RuntimeError):
@@ -54,16 +63,19 @@ class Plan:
 
     def lines(self) -> list[str]:
         total = self.nodes * self.gpus_per_node
-        engines = (f"{self.num_engines} SGLang engines × engine.tp {self.gpus_per_engine} = "
-                   f"{self.engine_gpus} GPUs" if self.gpus_per_engine
-                   else f"{self.num_engines} CPU engine{'s' if self.num_engines > 1 else ''} (no GPUs)")
+        engines = (
+            f"{self.num_engines} SGLang engines × engine.tp {self.gpus_per_engine} = {self.engine_gpus} GPUs"
+            if self.gpus_per_engine
+            else f"{self.num_engines} CPU engine{'s' if self.num_engines > 1 else ''} (no GPUs)"
+        )
         learner = f"{self.learner_gpus} GPUs" if self.learner_gpus else "CPU (no GPUs)"
         used = self.learner_gpus + self.engine_gpus
         return [
             f"nodes    {self.nodes} × {self.gpus_per_node} GPUs = {total} GPUs",
             f"learner  {self.layout} = {learner}",
             f"rollout  {engines}",
-            f"total    {used} of {total} GPUs (learner and engines on separate GPUs)" if used
+            f"total    {used} of {total} GPUs (learner and engines on separate GPUs)"
+            if used
             else "total    no GPUs: learner ranks and engines take fractions of the nodes' CPUs",
         ]
 
@@ -78,30 +90,33 @@ def plan(cfg: ResolvedConfig, nodes: int, gpus_per_node: int) -> Plan:
     world = p.tp * p.pp * p.dp
     layout = f"tp {p.tp} · pp {p.pp} · dp {p.dp} (ep {p.ep}, etp {p.etp}) on {p.device}"
     per_engine = engine.tp if isinstance(engine, SglangEngine) and engine.device == "cuda" else 0
-    result = Plan(nodes, gpus_per_node, world if p.device == "cuda" else 0,
-                  cfg.rollout.num_engines, per_engine, layout)
+    result = Plan(nodes, gpus_per_node, world if p.device == "cuda" else 0, cfg.rollout.num_engines, per_engine, layout)
     needed = result.learner_gpus + result.engine_gpus
     total = nodes * gpus_per_node
     if needed and not gpus_per_node:
         raise SubmitError(
             f"--gpus-per-node 0: the config needs {needed} GPUs (learner {result.learner_gpus}, "
-            f"engines {result.engine_gpus}); use CPU engines and parallel.device=cpu on CPU nodes")
+            f"engines {result.engine_gpus}); use CPU engines and parallel.device=cpu on CPU nodes"
+        )
     if per_engine > gpus_per_node:
         raise SubmitError(
             f"--gpus-per-node {gpus_per_node}: one SGLang engine needs rollout.engine.tp = "
-            f"{per_engine} GPUs on a single node")
+            f"{per_engine} GPUs on a single node"
+        )
     if needed > total:
         raise SubmitError(
             f"--nodes {nodes} --gpus-per-node {gpus_per_node} = {total} GPUs cannot hold the run: "
             f"learner tp·pp·dp = {p.tp}·{p.pp}·{p.dp} = {result.learner_gpus} GPUs + rollout "
             f"{result.num_engines} engines × rollout.engine.tp {per_engine} = {result.engine_gpus} "
-            f"GPUs = {needed} GPUs")
+            f"GPUs = {needed} GPUs"
+        )
     slots = nodes * (gpus_per_node // per_engine) if per_engine else result.num_engines
     if slots < result.num_engines:
         raise SubmitError(
             f"--nodes {nodes} --gpus-per-node {gpus_per_node}: only {slots} engines of "
             f"rollout.engine.tp = {per_engine} GPUs fit whole on the nodes, the config asks for "
-            f"rollout.num_engines = {result.num_engines}")
+            f"rollout.num_engines = {result.num_engines}"
+        )
     return result
 
 
@@ -111,7 +126,8 @@ def check_inputs_present(cfg: ResolvedConfig) -> None:
     if isinstance(cfg.model, HFModel) and not any(Path(cfg.model.path).glob("*.safetensors")):
         raise SubmitError(
             f"model.path = {cfg.model.path!r}: no *.safetensors there (only a config.json to check "
-            "the layout with?); point it at your checkpoint: model.path=/path/to/checkpoint")
+            "the layout with?); point it at your checkpoint: model.path=/path/to/checkpoint"
+        )
     for where, source in data_sources(cfg):  # the training data and the eval sets, each maybe several files
         missing = [path for path in getattr(source, "paths", []) if not Path(path).is_file()]
         if missing:
@@ -159,9 +175,14 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
         f"--output={spec.log_root}/slurm-%j.out",
         f"--chdir={spec.workdir}",
     ]
-    for option, value in (("--job-name", spec.job_name), ("--partition", spec.partition), ("--time", spec.time),
-                          ("--account", spec.account), ("--log-dir", str(spec.log_root)),
-                          ("the working directory", str(spec.workdir))):
+    for option, value in (
+        ("--job-name", spec.job_name),
+        ("--partition", spec.partition),
+        ("--time", spec.time),
+        ("--account", spec.account),
+        ("--log-dir", str(spec.log_root)),
+        ("the working directory", str(spec.workdir)),
+    ):
         if value is not None and (not value or any(c.isspace() or c in "\"'\\" for c in value)):
             # sbatch reads #SBATCH lines without shell quoting: a space would end the value there
             raise SubmitError(f"{option} {value!r}: an #SBATCH value may not hold spaces or quotes")
@@ -194,15 +215,18 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
 def _slurm_command(name: str) -> str:
     path = shutil.which(name)
     if path is None:
-        raise SubmitError(f"{name} not found on PATH: run this on a Slurm login node "
-                          "(or add --dry-run to print the script without submitting)")
+        raise SubmitError(
+            f"{name} not found on PATH: run this on a Slurm login node "
+            "(or add --dry-run to print the script without submitting)"
+        )
     return path
 
 
 def sbatch(script: str) -> str:
     """Submits the script (on stdin); returns the job id."""
-    out = subprocess.run([_slurm_command("sbatch"), "--parsable"], input=script, text=True,
-                         capture_output=True, timeout=60)
+    out = subprocess.run(
+        [_slurm_command("sbatch"), "--parsable"], input=script, text=True, capture_output=True, timeout=60
+    )
     if out.returncode:
         reason = " ".join(out.stderr.split()) or f"exit code {out.returncode}"
         raise SubmitError(f"sbatch refused the job: {reason}")
@@ -211,15 +235,20 @@ def sbatch(script: str) -> str:
 
 def job_state(job_id: str) -> tuple[str, int, str]:
     """(state, exit code, reason) from scontrol, or from sacct once scontrol has forgotten it."""
-    out = subprocess.run([_slurm_command("scontrol"), "show", "job", "-o", job_id],
-                         capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        [_slurm_command("scontrol"), "show", "job", "-o", job_id], capture_output=True, text=True, timeout=30
+    )
     fields = dict(re.findall(r"(\w+)=(\S*)", out.stdout)) if out.returncode == 0 else {}
     if "JobState" in fields:
         code, _, signal = fields.get("ExitCode", "0:0").partition(":")
         return fields["JobState"], int(code or 0) or int(signal or 0), fields.get("Reason", "")
     if shutil.which("sacct"):
-        acct = subprocess.run(["sacct", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", job_id],
-                              capture_output=True, text=True, timeout=30)
+        acct = subprocess.run(
+            ["sacct", "-X", "-n", "-P", "-o", "State,ExitCode", "-j", job_id],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         line = acct.stdout.strip().splitlines()[:1]
         if acct.returncode == 0 and line:
             state, _, code = line[0].partition("|")
@@ -265,18 +294,32 @@ def add_submit_parser(sub) -> None:
     cmd.add_argument("--time", help="sbatch --time, e.g. 24:00:00")
     cmd.add_argument("--account", help="sbatch --account")
     cmd.add_argument("--job-name", help="default: rlvr-<config name>")
-    cmd.add_argument("--sbatch-option", action="append", default=[], metavar="OPT",
-                     help="another #SBATCH line: --sbatch-option=--qos=high (repeatable)")
+    cmd.add_argument(
+        "--sbatch-option",
+        action="append",
+        default=[],
+        metavar="OPT",
+        help="another #SBATCH line: --sbatch-option=--qos=high (repeatable)",
+    )
     cmd.add_argument("--log-dir", help="where job logs go; default: <trainer.output_dir>/slurm")
-    cmd.add_argument("--container", default="", metavar="PREFIX",
-                     help="prefix for every command on a node, e.g. 'apptainer exec --nv img.sif'")
-    cmd.add_argument("--bin-dir", help="directory with python, ray and megatron-rlvr on the nodes; "
-                     "default: this interpreter's")
+    cmd.add_argument(
+        "--container",
+        default="",
+        metavar="PREFIX",
+        help="prefix for every command on a node, e.g. 'apptainer exec --nv img.sif'",
+    )
+    cmd.add_argument(
+        "--bin-dir", help="directory with python, ray and megatron-rlvr on the nodes; default: this interpreter's"
+    )
     cmd.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
     cmd.add_argument("--join-timeout-s", type=int, default=300, help="wait this long for every node")
-    cmd.add_argument("--stop-grace-s", type=int, default=120,
-                     help="SIGTERM the run this long before --time runs out, so it saves and stops (default 120; "
-                     "more than one training step plus a checkpoint)")
+    cmd.add_argument(
+        "--stop-grace-s",
+        type=int,
+        default=120,
+        help="SIGTERM the run this long before --time runs out, so it saves and stops (default 120; "
+        "more than one training step plus a checkpoint)",
+    )
     cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
 
@@ -286,12 +329,21 @@ def submit_command(args: argparse.Namespace) -> int:
     resources = plan(cfg, args.nodes, args.gpus_per_node)
     log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
     spec = JobSpec(
-        config=Path(args.config).absolute(), overrides=list(args.overrides), nodes=args.nodes,
-        gpus_per_node=args.gpus_per_node, log_root=log_root,
-        job_name=args.job_name or f"rlvr-{Path(args.config).stem}", partition=args.partition,
-        time=args.time, account=args.account, sbatch_options=args.sbatch_option,
-        container=args.container, iface=args.iface, join_timeout_s=args.join_timeout_s,
-        stop_grace_s=args.stop_grace_s)
+        config=Path(args.config).absolute(),
+        overrides=list(args.overrides),
+        nodes=args.nodes,
+        gpus_per_node=args.gpus_per_node,
+        log_root=log_root,
+        job_name=args.job_name or f"rlvr-{Path(args.config).stem}",
+        partition=args.partition,
+        time=args.time,
+        account=args.account,
+        sbatch_options=args.sbatch_option,
+        container=args.container,
+        iface=args.iface,
+        join_timeout_s=args.join_timeout_s,
+        stop_grace_s=args.stop_grace_s,
+    )
     if args.bin_dir:
         spec.bin_dir = Path(args.bin_dir)
     script = render(spec, resources)
@@ -313,8 +365,9 @@ def submit_command(args: argparse.Namespace) -> int:
     job_dir.mkdir(parents=True, exist_ok=True)
     (job_dir / "job.sbatch").write_text(script)
     timeline = log_root / f"slurm-{job_id}.out"
-    print(f"submitted job {job_id}: {args.nodes} nodes × {args.gpus_per_node} GPUs "
-          f"({datetime.datetime.now():%H:%M:%S})")
+    print(
+        f"submitted job {job_id}: {args.nodes} nodes × {args.gpus_per_node} GPUs ({datetime.datetime.now():%H:%M:%S})"
+    )
     print(f"  timeline: {timeline}")
     print(f"  driver:   {job_dir / 'driver.log'}")
     print(f"  ray:      {job_dir}/ray-{{head,worker}}-<node>.log")

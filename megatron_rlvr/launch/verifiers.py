@@ -42,8 +42,9 @@ class VerifierPool:
     def __init__(self, cfg: ResolvedConfig, placement: Placement):
         v = cfg.verifier
         functions = {name: resolve_function(spec, os.getcwd()) for name, spec in v.functions.items()}
-        self.workers = [placement.place(Role.VERIFIER, VerifierWorker, v, functions, index=i)
-                        for i in range(v.num_workers)]
+        self.workers = [
+            placement.place(Role.VERIFIER, VerifierWorker, v, functions, index=i) for i in range(v.num_workers)
+        ]
         self._turn = itertools.cycle(self.workers)
 
     async def __call__(self, responses: list[str], record: PromptRecord, *, count: bool = True) -> list[float]:

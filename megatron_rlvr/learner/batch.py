@@ -28,10 +28,9 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     def select(self, index: torch.Tensor) -> TrainBatch:
-        return replace(self, **{
-            f.name: getattr(self, f.name)[index]
-            for f in fields(self) if getattr(self, f.name) is not None
-        })
+        return replace(
+            self, **{f.name: getattr(self, f.name)[index] for f in fields(self) if getattr(self, f.name) is not None}
+        )
 
     def padded_to(self, multiple: int) -> TrainBatch:
         """Right-pads T to a multiple (sequence parallel splits the sequence over TP)."""
@@ -56,7 +55,7 @@ def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
         return batch
     index = torch.cat([torch.arange(batch.size), torch.full((extra,), batch.size - 1)])
     padded = batch.select(index)
-    padded.response_mask[batch.size:] = 0
+    padded.response_mask[batch.size :] = 0
     return padded
 
 
@@ -70,17 +69,11 @@ def minibatch_indices(batch_size: int, num_minibatches: int, dp_size: int, dp_ra
             f"× {dp_size} data-parallel ranks"
         )
     per_rank = batch_size // (num_minibatches * dp_size)
-    return [
-        torch.arange(per_rank) + (k * dp_size + dp_rank) * per_rank
-        for k in range(num_minibatches)
-    ]
+    return [torch.arange(per_rank) + (k * dp_size + dp_rank) * per_rank for k in range(num_minibatches)]
 
 
 def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
     micro_batch_size = min(micro_batch_size, batch.size)
     if batch.size % micro_batch_size:
-        raise ValueError(
-            f"{batch.size} samples per rank do not split into micro-batches of {micro_batch_size}"
-        )
-    return [batch.select(torch.arange(i, i + micro_batch_size))
-            for i in range(0, batch.size, micro_batch_size)]
+        raise ValueError(f"{batch.size} samples per rank do not split into micro-batches of {micro_batch_size}")
+    return [batch.select(torch.arange(i, i + micro_batch_size)) for i in range(0, batch.size, micro_batch_size)]

@@ -25,13 +25,18 @@ def _layout() -> list[int]:
     """The parallel layout (pp, tp, ep, etp, dp): per-rank state only fits the same one."""
     from megatron.core import parallel_state as mpu
 
-    return [mpu.get_pipeline_model_parallel_world_size(), mpu.get_tensor_model_parallel_world_size(),
-            mpu.get_expert_model_parallel_world_size(), mpu.get_expert_tensor_parallel_world_size(),
-            mpu.get_data_parallel_world_size()]
+    return [
+        mpu.get_pipeline_model_parallel_world_size(),
+        mpu.get_tensor_model_parallel_world_size(),
+        mpu.get_expert_model_parallel_world_size(),
+        mpu.get_expert_tensor_parallel_world_size(),
+        mpu.get_data_parallel_world_size(),
+    ]
 
 
-def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool,
-           path: str | Path | None = None) -> tuple[dict, dict]:
+def _state(
+    learner, *, loading: bool, with_optimizer: bool, with_rng: bool, path: str | Path | None = None
+) -> tuple[dict, dict]:
     """The sharded state to save or load, and (loading: the checkpoint's path given) the model
     entries the checkpoint lacks that keep their current value (see fit_to_checkpoint)."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject
@@ -43,15 +48,15 @@ def _state(learner, *, loading: bool, with_optimizer: bool, with_rng: bool,
         _allocate_optimizer_state(learner.optimizer)
     if with_optimizer:
         state["optimizer"] = learner.optimizer.sharded_state_dict(
-            model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA)
+            model_sd, is_loading=loading, metadata=OPTIMIZER_METADATA
+        )
     if with_rng:
         from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
         rng = {"torch": torch.get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
         if _device() == "cuda":  # the default CUDA generator, beside the tracker's named ones
             rng["cuda"] = torch.cuda.get_rng_state()
-        state["rng"] = ShardedObject("rng_state", rng, (dist.get_world_size(),),
-                                     (dist.get_rank(),), replica_id=0)
+        state["rng"] = ShardedObject("rng_state", rng, (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
     return state, kept
 
 
@@ -105,12 +110,14 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
     if with_optimizer and common.get("optimizer_parts") != _optimizer_parts(learner.optimizer):
         # Megatron stores chained optimizers' common state by position, so a layout that
         # chains differently (e.g. TP=2 → EP=2 adds an expert optimizer) cannot take it back.
-        log.warning("checkpoint %s: optimizer is chained differently in this layout; "
-                    "loading weights, LR schedule and step, and starting Adam moments afresh", path)
+        log.warning(
+            "checkpoint %s: optimizer is chained differently in this layout; "
+            "loading weights, LR schedule and step, and starting Adam moments afresh",
+            path,
+        )
         with_optimizer = False
         learner.scheduler.load_state_dict(common["scheduler"])
-    state, kept = _state(learner, loading=True, with_optimizer=with_optimizer,
-                         with_rng=same_rng, path=path)
+    state, kept = _state(learner, loading=True, with_optimizer=with_optimizer, with_rng=same_rng, path=path)
     loaded = dist_checkpointing.load(state, str(path))
     learner.modules[0].load_state_dict({**loaded["model"], **kept})
     if with_optimizer:
@@ -126,8 +133,13 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
         if "cuda" in loaded["rng"]:
             torch.cuda.set_rng_state(loaded["rng"]["cuda"])
     else:
-        log.info("checkpoint made in layout %s on %s, this run is %s on %s: RNG states not "
-                 "restored", common.get("layout"), common.get("device", "cpu"), _layout(), _device())
+        log.info(
+            "checkpoint made in layout %s on %s, this run is %s on %s: RNG states not restored",
+            common.get("layout"),
+            common.get("device", "cpu"),
+            _layout(),
+            _device(),
+        )
     learner.step = int(common["step"])
     return learner.step
 
@@ -220,19 +232,20 @@ def check_model_tensors(state: dict, metadata: dict, path: str | Path) -> None:
     holds in another shape, or holds beyond the model (optimizer state aside). Collective:
     what the model lacks is judged on the tensors of all ranks (stages hold different ones)."""
     ours = _global_shapes(state)
-    theirs = {key: tuple(t.global_shape) for key, t in metadata.items()
-              if not key.startswith("optimizer.")}
+    theirs = {key: tuple(t.global_shape) for key, t in metadata.items() if not key.startswith("optimizer.")}
     for key, shape in ours.items():
         if key not in theirs:
             raise ModelCheckpointMismatch(f"checkpoint {path} lacks tensor {key} {list(shape)}")
         if theirs[key] != shape:
             raise ModelCheckpointMismatch(
                 f"tensor {key} is {list(theirs[key])} in checkpoint {path} but {list(shape)} "
-                "in this model (a different config: layers, heads, experts, vocab, sizes)")
+                "in this model (a different config: layers, heads, experts, vocab, sizes)"
+            )
     everyone: list = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, sorted(ours))
     extra = sorted(set(theirs).difference(*everyone))
     if extra:
         raise ModelCheckpointMismatch(
             f"checkpoint {path} holds tensor {extra[0]} {list(theirs[extra[0]])} that this model "
-            "lacks (a different config, e.g. tie_word_embeddings)")
+            "lacks (a different config, e.g. tie_word_embeddings)"
+        )

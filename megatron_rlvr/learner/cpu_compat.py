@@ -192,9 +192,14 @@ def _patch_moe_utils() -> None:
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     for name in (
-        "te_general_gemm", "fused_compute_score_for_moe_aux_loss", "fused_moe_aux_loss",
-        "fused_permute", "fused_permute_with_probs", "fused_sort_chunks_by_index",
-        "fused_sort_chunks_by_index_with_probs", "fused_topk_with_score_function",
+        "te_general_gemm",
+        "fused_compute_score_for_moe_aux_loss",
+        "fused_moe_aux_loss",
+        "fused_permute",
+        "fused_permute_with_probs",
+        "fused_sort_chunks_by_index",
+        "fused_sort_chunks_by_index_with_probs",
+        "fused_topk_with_score_function",
         "fused_unpermute",
     ):
         if not hasattr(moe_utils, name):

@@ -30,8 +30,16 @@ class MicroBatchHooks(Protocol):
     def after_forward(self, index: int, mb: TrainBatch, output: torch.Tensor) -> None: ...
 
 
-def run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool, collect: bool,
-                  hooks: MicroBatchHooks | None = None, first_index: int = 0):
+def run_schedule(
+    chunks,
+    micro: list[TrainBatch],
+    loss_fn,
+    *,
+    forward_only: bool,
+    collect: bool,
+    hooks: MicroBatchHooks | None = None,
+    first_index: int = 0,
+):
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     seq_length = micro[0].input_ids.shape[1]
@@ -60,8 +68,9 @@ def run_schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool
     )
 
 
-def forward_logprobs(chunks, micro: list[TrainBatch], temperature: float,
-                     hooks: MicroBatchHooks | None = None) -> torch.Tensor | None:
+def forward_logprobs(
+    chunks, micro: list[TrainBatch], temperature: float, hooks: MicroBatchHooks | None = None
+) -> torch.Tensor | None:
     """Logprobs [n, T] of this rank's micro-batches on the last pipeline stage, else None."""
     from megatron.core import parallel_state as mpu
 
@@ -81,9 +90,17 @@ def step_normalizer(batch: TrainBatch, agg: str) -> float:
     return float((batch.response_mask.sum(-1) > 0).sum())
 
 
-def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normalizer: float,
-                    sum_norm_divisor: float, temperature: float,
-                    hooks: MicroBatchHooks | None = None, first_index: int = 0) -> list[dict[str, torch.Tensor]]:
+def train_minibatch(
+    chunks,
+    micro: list[TrainBatch],
+    algo: AlgoConfig,
+    *,
+    normalizer: float,
+    sum_norm_divisor: float,
+    temperature: float,
+    hooks: MicroBatchHooks | None = None,
+    first_index: int = 0,
+) -> list[dict[str, torch.Tensor]]:
     """Forward+backward of one mini-batch's micro-batches; gradients accumulate in the DDP
     buffers. Each micro-batch's loss is divided by the whole mini-batch's global count, then
     multiplied back by the factors Megatron divides by (micro-batch count, and DP size in the
@@ -98,16 +115,25 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
         mask = mb.response_mask.to(device)
         kwargs = {}
         if mb.rollout_logprobs is not None:
-            kwargs.update(rollout_logprobs=mb.rollout_logprobs.to(device), tis_cap=algo.tis_cap,
-                          tis_level=algo.tis_level)
+            kwargs.update(
+                rollout_logprobs=mb.rollout_logprobs.to(device), tis_cap=algo.tis_cap, tis_level=algo.tis_level
+            )
         if algo.agg == "seq-mean-token-sum-norm":
             agg_normalizer = sum_norm_divisor
         else:
             agg_normalizer = normalizer
         loss, metrics = policy_loss(
-            logprobs, mb.old_logprobs.to(device), mb.advantages.to(device), mask,
-            kind=algo.kind, clip_low=algo.clip_low, clip_high=algo.clip_high,
-            clip_ratio_c=algo.clip_ratio_c, agg=algo.agg, agg_normalizer=agg_normalizer, **kwargs,
+            logprobs,
+            mb.old_logprobs.to(device),
+            mb.advantages.to(device),
+            mask,
+            kind=algo.kind,
+            clip_low=algo.clip_low,
+            clip_high=algo.clip_high,
+            clip_ratio_c=algo.clip_ratio_c,
+            agg=algo.agg,
+            agg_normalizer=agg_normalizer,
+            **kwargs,
         )
         if algo.entropy_coef:  # a bonus: higher entropy lowers the loss, against collapse
             loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, mask, agg_normalizer)
@@ -119,8 +145,7 @@ def train_minibatch(chunks, micro: list[TrainBatch], algo: AlgoConfig, *, normal
         metrics["tokens"] = mask.sum().detach()
         return loss * scale, metrics
 
-    return run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks,
-                         first_index=first_index)
+    return run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks, first_index=first_index)
 
 
 def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:
@@ -148,8 +173,7 @@ def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]
                 sums[i] += value if key == "policy_loss" else value * tokens
     device = rank_device()
     sums, maxima, present = (t.to(device) for t in (sums, maxima, present))
-    for tensor, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX),
-                       (present, dist.ReduceOp.MAX)):
+    for tensor, op in ((sums, dist.ReduceOp.SUM), (maxima, dist.ReduceOp.MAX), (present, dist.ReduceOp.MAX)):
         dist.all_reduce(tensor, op=op)
     sums, maxima, present = (t.cpu() for t in (sums, maxima, present))
     total = max(float(sums[-1]), 1.0)
@@ -165,7 +189,18 @@ def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]
 
 
 METRIC_NAMES = (  # every metric the loss reports, in one order all ranks agree on
-    "approx_kl", "clipfrac", "clipfrac_high_side", "clipfrac_low_side", "clipfrac_lower", "entropy",
-    "mismatch_abs_max", "mismatch_abs_mean", "mismatch_k3_kl", "policy_loss", "ratio_max",
-    "ratio_mean", "tis_clipfrac", "tis_weight_mean",
+    "approx_kl",
+    "clipfrac",
+    "clipfrac_high_side",
+    "clipfrac_low_side",
+    "clipfrac_lower",
+    "entropy",
+    "mismatch_abs_max",
+    "mismatch_abs_mean",
+    "mismatch_k3_kl",
+    "policy_loss",
+    "ratio_max",
+    "ratio_mean",
+    "tis_clipfrac",
+    "tis_weight_mean",
 )

@@ -56,10 +56,8 @@ class GptOssBridge(LLMBridge):
         "self_attention.linear_proj.weight": ["model.layers.{layer_number}.self_attn.o_proj.weight"],
         "self_attention.linear_proj.bias": ["model.layers.{layer_number}.self_attn.o_proj.bias"],
         "self_attention.linear_qkv.layer_norm_weight": ["model.layers.{layer_number}.input_layernorm.weight"],
-        "self_attention.linear_qkv.weight": [f"model.layers.{{layer_number}}.self_attn.{p}_proj.weight"
-                                             for p in "qkv"],
-        "self_attention.linear_qkv.bias": [f"model.layers.{{layer_number}}.self_attn.{p}_proj.bias"
-                                           for p in "qkv"],
+        "self_attention.linear_qkv.weight": [f"model.layers.{{layer_number}}.self_attn.{p}_proj.weight" for p in "qkv"],
+        "self_attention.linear_qkv.bias": [f"model.layers.{{layer_number}}.self_attn.{p}_proj.bias" for p in "qkv"],
         "self_attention.core_attention.softmax_offset": ["model.layers.{layer_number}.self_attn.sinks"],
     }
     _MLP_MAPPING = {
@@ -80,7 +78,8 @@ class GptOssBridge(LLMBridge):
         if getattr(hf, "swiglu_alpha", QUICK_GELU_ALPHA) != QUICK_GELU_ALPHA:
             raise UnsupportedGptOssConfig(
                 f"gpt_oss swiglu_alpha {hf.swiglu_alpha} is not supported: Megatron-Core's clamped "
-                f"activation has the gain {QUICK_GELU_ALPHA}")
+                f"activation has the gain {QUICK_GELU_ALPHA}"
+            )
         sliding = [t == "sliding_attention" for t in hf.layer_types]
         config = self._build_base_config(
             add_bias_linear=True,
@@ -122,7 +121,8 @@ class GptOssBridge(LLMBridge):
         if rope["rope_type"] not in ("default", "yarn") or rope.get("attention_factor") is not None:
             raise UnsupportedGptOssConfig(
                 f"gpt_oss rope_parameters {rope} are not supported (supported: rope_type default, "
-                "or yarn without an explicit attention_factor)")
+                "or yarn without an explicit attention_factor)"
+            )
         return rope
 
     def _get_gptmodel_args(self) -> dict:

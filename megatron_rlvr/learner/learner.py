@@ -47,7 +47,9 @@ class Learner:
         # the engine's routing, when captured, is also measured against ours in every mode
         routers_driven = cfg.algo.routing_replay != "none" or bool(cfg.rollout.return_routed_experts)
         self.bridge = model_lib.make_bridge(
-            hf_config, device=cfg.parallel.device, dtype=dtype,
+            hf_config,
+            device=cfg.parallel.device,
+            dtype=dtype,
             routing_replay=routers_driven,
             recompute=cfg.trainer.recompute_activations,
             expert_bias_update_rate=cfg.trainer.expert_bias_update_rate,
@@ -60,11 +62,11 @@ class Learner:
             model_lib.load_hf_weights(modules, self.bridge, hf_dir)
         tcfg = self.bridge.config
         ddp_config = DistributedDataParallelConfig(
-            grad_reduce_in_fp32=True, overlap_grad_reduce=False,
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=False,
             use_distributed_optimizer=cfg.trainer.distributed_optimizer,
         )
-        self.chunks = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=m)
-                       for m in modules]
+        self.chunks = [DistributedDataParallel(config=tcfg, ddp_config=ddp_config, module=m) for m in modules]
         self.optimizer = self._make_optimizer(dtype)
         self.scheduler = self._make_scheduler()
         tcfg.finalize_model_grads_func = finalize_model_grads
@@ -73,8 +75,11 @@ class Learner:
         self.replay = None
         if routers_driven:
             self.replay = RoutingReplay(
-                modules, num_layers=hf_config.num_hidden_layers, top_k=hf_config.num_experts_per_tok,
-                sequence_parallel=tcfg.sequence_parallel, recompute=cfg.trainer.recompute_activations,
+                modules,
+                num_layers=hf_config.num_hidden_layers,
+                top_k=hf_config.num_experts_per_tok,
+                sequence_parallel=tcfg.sequence_parallel,
+                recompute=cfg.trainer.recompute_activations,
             )
         self._recorded_batch: tuple | None = None  # which batch R2's recorded routing belongs to
         self._engine_agreement: dict[str, float] = {}
@@ -85,9 +90,16 @@ class Learner:
 
         t = self.cfg.trainer
         config = OptimizerConfig(
-            optimizer="adam", lr=t.lr, min_lr=t.min_lr, weight_decay=t.weight_decay,
-            adam_beta1=0.9, adam_beta2=0.999, adam_eps=1e-8, clip_grad=t.grad_clip,
-            bf16=dtype == torch.bfloat16, params_dtype=dtype,
+            optimizer="adam",
+            lr=t.lr,
+            min_lr=t.min_lr,
+            weight_decay=t.weight_decay,
+            adam_beta1=0.9,
+            adam_beta2=0.999,
+            adam_eps=1e-8,
+            clip_grad=t.grad_clip,
+            bf16=dtype == torch.bfloat16,
+            params_dtype=dtype,
             use_distributed_optimizer=t.distributed_optimizer,
         )
         return get_megatron_optimizer(config, self.chunks)
@@ -98,10 +110,16 @@ class Learner:
         t = self.cfg.trainer
         total = max(t.steps * self.cfg.algo.num_minibatches, 1)
         return OptimizerParamScheduler(
-            self.optimizer, init_lr=0.0 if t.warmup_steps else t.lr, max_lr=t.lr, min_lr=t.min_lr,
+            self.optimizer,
+            init_lr=0.0 if t.warmup_steps else t.lr,
+            max_lr=t.lr,
+            min_lr=t.min_lr,
             lr_warmup_steps=t.warmup_steps * self.cfg.algo.num_minibatches,
-            lr_decay_steps=total, lr_decay_style=t.lr_decay_style,
-            start_wd=t.weight_decay, end_wd=t.weight_decay, wd_incr_steps=total,
+            lr_decay_steps=total,
+            lr_decay_style=t.lr_decay_style,
+            start_wd=t.weight_decay,
+            end_wd=t.weight_decay,
+            wd_incr_steps=total,
             wd_incr_style="constant",
         )
 
@@ -117,8 +135,9 @@ class Learner:
         from megatron.core import parallel_state as mpu
 
         batch = batch.padded_to(self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1)
-        index = minibatch_indices(batch.size, num_minibatches,
-                                  mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank())
+        index = minibatch_indices(
+            batch.size, num_minibatches, mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
+        )
         return index, [batch.select(i) for i in index]
 
     # ------------------------------------------------------------------ calls
@@ -138,19 +157,25 @@ class Learner:
             self._recorded_batch = _fingerprint(batch)
             return RecordRouting(self.replay)
         if self._recorded_batch != _fingerprint(batch):
-            raise RuntimeError("algo.routing_replay = r2 replays the routing recorded while computing "
-                               "this batch's old logprobs: call compute_logprobs(batch) first")
+            raise RuntimeError(
+                "algo.routing_replay = r2 replays the routing recorded while computing "
+                "this batch's old logprobs: call compute_logprobs(batch) first"
+            )
         return ReplayRouting(self.replay, "recorded")
 
     def _check_routed_experts(self, batch: TrainBatch) -> None:
         hf = self.bridge.hf_config
         expected = (batch.size, batch.input_ids.shape[1], hf.num_hidden_layers, hf.num_experts_per_tok)
         if batch.routed_experts is None:
-            raise ValueError("algo.routing_replay = r3 needs the engine's routed experts for every "
-                             "sample (batch.routed_experts is missing; is the engine capturing them?)")
+            raise ValueError(
+                "algo.routing_replay = r3 needs the engine's routed experts for every "
+                "sample (batch.routed_experts is missing; is the engine capturing them?)"
+            )
         if tuple(batch.routed_experts.shape) != expected:
-            raise ValueError(f"batch.routed_experts shaped {tuple(batch.routed_experts.shape)}, "
-                             f"expected [batch, tokens, layers, top_k] = {list(expected)}")
+            raise ValueError(
+                f"batch.routed_experts shaped {tuple(batch.routed_experts.shape)}, "
+                f"expected [batch, tokens, layers, top_k] = {list(expected)}"
+            )
 
     def compute_logprobs(self, batch: TrainBatch, *, old_logprob_pass: bool = True) -> torch.Tensor:
         """Per-token logprobs [B, T] of the batch under the current weights, on every rank.
@@ -195,8 +220,10 @@ class Learner:
             chunk.train()
         _, local = self._local_batches(batch, self.cfg.algo.num_minibatches)
         per_mini = self.cfg.algo.num_minibatches
-        full_minis = [batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
-                      for k in range(per_mini)]
+        full_minis = [
+            batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
+            for k in range(per_mini)
+        ]
         history: list[dict[str, float]] = []
         hooks = self._routing_hooks(batch, "train")
         for k, (mini, full) in enumerate(zip(local, full_minis)):
@@ -205,19 +232,23 @@ class Learner:
             self.optimizer.zero_grad()
             micro = micro_batches(mini, self.cfg.trainer.micro_batch_size)
             outputs = train_minibatch(
-                self.chunks, micro, self.cfg.algo,
+                self.chunks,
+                micro,
+                self.cfg.algo,
                 normalizer=step_normalizer(full, self.cfg.algo.agg),
                 sum_norm_divisor=float(self.cfg.rollout.max_new_tokens),
                 temperature=self.cfg.rollout.temperature,
-                hooks=hooks, first_index=k * len(micro),
+                hooks=hooks,
+                first_index=k * len(micro),
             )
             if self.replay is not None:
                 self.replay.clear()
             ok, grad_norm, _ = self.optimizer.step()
             self.scheduler.step(increment=1)
             metrics = reduce_metrics(outputs)
-            metrics.update(grad_norm=float(grad_norm or 0.0), update_skipped=float(not ok),
-                           lr=self.optimizer.param_groups[0]["lr"])
+            metrics.update(
+                grad_norm=float(grad_norm or 0.0), update_skipped=float(not ok), lr=self.optimizer.param_groups[0]["lr"]
+            )
             history.append(metrics)
         self.step += 1
         metrics = {key: sum(h[key] for h in history) / len(history) for key in history[0]}

@@ -31,8 +31,11 @@ CHUNK_BYTES = 64 * 2**20
 def _tp():
     from megatron.core import parallel_state as mpu
 
-    return (mpu.get_tensor_model_parallel_group(), mpu.get_tensor_model_parallel_world_size(),
-            mpu.get_tensor_model_parallel_rank())
+    return (
+        mpu.get_tensor_model_parallel_group(),
+        mpu.get_tensor_model_parallel_world_size(),
+        mpu.get_tensor_model_parallel_rank(),
+    )
 
 
 def _chunk_stats(z: torch.Tensor, local_target: torch.Tensor, group, tp: int):
@@ -64,8 +67,7 @@ class _LogprobEntropy(torch.autograd.Function):
         for start in range(0, flat.shape[0], rows):
             part = slice(start, start + rows)
             z = flat[part].to(torch.float32, copy=True).div_(temperature)
-            peak[part], log_norm[part], mean_z[part], picked = _chunk_stats(
-                z, local_targets[part], group, tp)
+            peak[part], log_norm[part], mean_z[part], picked = _chunk_stats(z, local_targets[part], group, tp)
             logprob[part] = picked - log_norm[part]
             entropy[part] = log_norm[part] - mean_z[part]
         ctx.save_for_backward(logits, local_targets, peak, log_norm, mean_z)
@@ -95,8 +97,9 @@ class _LogprobEntropy(torch.autograd.Function):
         return grad.view(logits.shape), None, None, None
 
 
-def logprobs_and_entropy(logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0,
-                         chunk_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, temperature: float = 1.0, chunk_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, T, V/tp] (this rank's vocabulary slice) → (logprob of each next token,
     entropy of each next-token distribution), both [B, T] fp32 with gradient, column 0 (no
     prediction for the first token) 0. Temperature 0 (greedy) means the raw distribution."""

@@ -51,8 +51,15 @@ def _bridge_class(model_type: str):
     return getattr(importlib.import_module(module), name)
 
 
-def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: bool,
-                recompute: bool = False, expert_bias_update_rate: float = 0.0):
+def make_bridge(
+    hf_config,
+    *,
+    device: str,
+    dtype: torch.dtype,
+    routing_replay: bool,
+    recompute: bool = False,
+    expert_bias_update_rate: float = 0.0,
+):
     """An mbridge bridge for the current Megatron parallel state, with the layer spec and
     fusions chosen for the device: transformer-engine spec on CUDA when TE imports, the local
     spec (and no fused kernels) otherwise; the family's own settings over the bridge's."""
@@ -67,8 +74,7 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
             # mbridge always renormalises the top-k weights (pre_softmax off); HF's
             # norm_topk_prob=false means softmax over all experts, then top-k as they are.
             # Set before the first build: mbridge builds and validates in its constructor.
-            self.extra_args.setdefault("moe_router_pre_softmax",
-                                       not getattr(self.hf_config, "norm_topk_prob", True))
+            self.extra_args.setdefault("moe_router_pre_softmax", not getattr(self.hf_config, "norm_topk_prob", True))
             return super()._build_config()
 
         def _build_base_config(self, text_config_key=None, **kwargs):
@@ -78,8 +84,7 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
 
         def _get_transformer_layer_spec(self, vp_stage=None):
             self.has_vp_stage = True
-            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te,
-                                              vp_stage=vp_stage)
+            return get_gpt_decoder_block_spec(self.config, use_transformer_engine=use_te, vp_stage=vp_stage)
 
     bridge = Bridge(hf_config, dtype=dtype)
     overrides = dict(
@@ -97,13 +102,18 @@ def make_bridge(hf_config, *, device: str, dtype: torch.dtype, routing_replay: b
         # load imbalance; RL keeps it frozen by default (trainer.expert_bias_update_rate)
         overrides["moe_router_bias_update_rate"] = expert_bias_update_rate
     if recompute:
-        overrides.update(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=1)
+        overrides.update(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
     if not use_te:
         overrides.update(
-            moe_grouped_gemm=False, persist_layer_norm=False, masked_softmax_fusion=False,
-            bias_activation_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
-            gradient_accumulation_fusion=False, moe_permute_fusion=False, moe_router_fusion=False,
+            moe_grouped_gemm=False,
+            persist_layer_norm=False,
+            masked_softmax_fusion=False,
+            bias_activation_fusion=False,
+            bias_dropout_fusion=False,
+            apply_rope_fusion=False,
+            gradient_accumulation_fusion=False,
+            moe_permute_fusion=False,
+            moe_router_fusion=False,
         )
     bridge.set_extra_args(**overrides)
     return bridge
@@ -126,8 +136,7 @@ def build_model_chunks(bridge) -> list[torch.nn.Module]:
     if vocab % tp:
         raise ValueError(f"vocab size {vocab} must be divisible by tensor-parallel size {tp}")
     provider = bridge._model_provider([])
-    model = provider(pre_process=mpu.is_pipeline_first_stage(),
-                     post_process=mpu.is_pipeline_last_stage())
+    model = provider(pre_process=mpu.is_pipeline_first_stage(), post_process=mpu.is_pipeline_last_stage())
     if rank_device().type == "cuda":
         model = model.cuda()
     return [model]
@@ -138,8 +147,10 @@ _LAYER = re.compile(r"decoder\.layers\.(\d+)\.")
 _LOCAL_EXPERT = re.compile(r"mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.(weight|bias)$")
 _TE_EXPERT = re.compile(r"mlp\.experts\.(linear_fc[12])\.(weight|bias)(\d+)$")
 _EXPERT_ID = re.compile(r"^(.*(?:weight|bias))(\d+)$")
-_MLA_NORMS = ((".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight"),
-              (".self_attention.kv_layernorm.weight", ".self_attention.linear_kv_up_proj.layer_norm_weight"))
+_MLA_NORMS = (
+    (".self_attention.q_layernorm.weight", ".self_attention.linear_q_up_proj.layer_norm_weight"),
+    (".self_attention.kv_layernorm.weight", ".self_attention.linear_kv_up_proj.layer_norm_weight"),
+)
 
 
 def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
@@ -162,13 +173,15 @@ def canonical_name(local_name: str, module: ModelChunk, bridge) -> str:
     offset = mpu.get_expert_model_parallel_rank() * num_local
     match = _LOCAL_EXPERT.search(name)
     if match:
-        name = name.replace(match.group(0),
-                            f"mlp.experts.{match.group(2)}.{match.group(3)}{offset + int(match.group(1))}")
+        name = name.replace(
+            match.group(0), f"mlp.experts.{match.group(2)}.{match.group(3)}{offset + int(match.group(1))}"
+        )
     match = _TE_EXPERT.search(name)
     if match and ".local_experts." not in local_name and mpu.get_expert_model_parallel_world_size() > 1:
         # TE grouped-gemm names carry the local expert index in the suffix
-        name = name.replace(match.group(0),
-                            f"mlp.experts.{match.group(1)}.{match.group(2)}{offset + int(match.group(3))}")
+        name = name.replace(
+            match.group(0), f"mlp.experts.{match.group(1)}.{match.group(2)}{offset + int(match.group(3))}"
+        )
     return name
 
 
@@ -238,8 +251,12 @@ def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -
     reader = HFReader(hf_dir)
     skipped = mtp_tensor_names(reader.names(), bridge.hf_config)
     if skipped:
-        log.info("skipping the checkpoint's %d multi-token-prediction tensors (%s…): the MTP layer "
-                 "is not built, RL trains the main model only", len(skipped), sorted(skipped)[0])
+        log.info(
+            "skipping the checkpoint's %d multi-token-prediction tensors (%s…): the MTP layer "
+            "is not built, RL trains the main model only",
+            len(skipped),
+            sorted(skipped)[0],
+        )
     tied = getattr(bridge.hf_config, "tie_word_embeddings", False)
     for module in chunks:
         for local_name, param in _params(module):
@@ -249,11 +266,9 @@ def load_hf_weights(chunks: list[torch.nn.Module], bridge, hf_dir: str | Path) -
                 hf_names = ["model.embed_tokens.weight"]
             full = bridge._weight_to_mcore_format(canonical, [reader.get(n) for n in hf_names])
             if _is_expert(canonical):
-                size, rank = (mpu.get_expert_tensor_parallel_world_size(),
-                              mpu.get_expert_tensor_parallel_rank())
+                size, rank = (mpu.get_expert_tensor_parallel_world_size(), mpu.get_expert_tensor_parallel_rank())
             else:
-                size, rank = (mpu.get_tensor_model_parallel_world_size(),
-                              mpu.get_tensor_model_parallel_rank())
+                size, rank = (mpu.get_tensor_model_parallel_world_size(), mpu.get_tensor_model_parallel_rank())
             shard = list(bridge._weight_split_across_tp(canonical, full, param, size))[rank]
             if shard.shape != param.shape:
                 raise CheckpointMismatch(
@@ -280,8 +295,10 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
     pp_group = mpu.get_pipeline_model_parallel_group()
     pp_size = mpu.get_pipeline_model_parallel_world_size()
     local = [(canonical_name(n, m, bridge), p) for m in chunks for n, p in _params(m)]
-    metas = [(n, p.dtype, tuple(p.shape), getattr(p, "tensor_model_parallel", False),
-              getattr(p, "partition_dim", -1)) for n, p in local]
+    metas = [
+        (n, p.dtype, tuple(p.shape), getattr(p, "tensor_model_parallel", False), getattr(p, "partition_dim", -1))
+        for n, p in local
+    ]
     if pp_size > 1:
         per_stage: list = [None] * pp_size
         dist.all_gather_object(per_stage, metas, group=pp_group)
@@ -303,7 +320,6 @@ def export_hf_weights(chunks: list[torch.nn.Module], bridge) -> Iterator[tuple[s
             if tied and name == "output_layer.weight":
                 continue  # HF ties lm_head to the embedding
             yield from _gather_to_hf(name, tensor, bridge)
-
 
 
 def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:

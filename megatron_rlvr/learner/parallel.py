@@ -36,7 +36,8 @@ def require_transformer_engine() -> None:
     except ImportError as err:
         raise MissingTransformerEngine(
             f"parallel.device = cuda needs transformer-engine ({err}): install the GPU environment "
-            "(bash scripts/setup.sh --gpu, the [gpu] extra) or set parallel.device = cpu") from None
+            "(bash scripts/setup.sh --gpu, the [gpu] extra) or set parallel.device = cpu"
+        ) from None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -66,8 +67,9 @@ class Rendezvous:
         )
 
 
-def init_parallel(parallel: ResolvedParallel, rendezvous: Rendezvous | None = None,
-                  seed: int = 0, timeout_s: float = 600.0) -> None:
+def init_parallel(
+    parallel: ResolvedParallel, rendezvous: Rendezvous | None = None, seed: int = 0, timeout_s: float = 600.0
+) -> None:
     """Initialises torch.distributed (gloo on CPU, NCCL on CUDA) and Megatron's model-parallel
     groups for the resolved layout. CPU runs get the CPU adaptations first."""
     from megatron.core import parallel_state as mpu
@@ -91,8 +93,11 @@ def init_parallel(parallel: ResolvedParallel, rendezvous: Rendezvous | None = No
         backend = "nccl"
     if not dist.is_initialized():
         dist.init_process_group(
-            backend, init_method=f"tcp://{rv.master_addr}:{rv.master_port}", rank=rv.rank,
-            world_size=rv.world_size, timeout=datetime.timedelta(seconds=timeout_s),
+            backend,
+            init_method=f"tcp://{rv.master_addr}:{rv.master_port}",
+            rank=rv.rank,
+            world_size=rv.world_size,
+            timeout=datetime.timedelta(seconds=timeout_s),
         )
     mpu.initialize_model_parallel(
         tensor_model_parallel_size=parallel.tp,

@@ -38,8 +38,7 @@ def _moe_routers(modules: list[ModelChunk]) -> list[tuple[int, Any]]:
     return routers
 
 
-def local_token_order(per_position: torch.Tensor, tp_rank: int, tp_size: int,
-                      sequence_parallel: bool) -> torch.Tensor:
+def local_token_order(per_position: torch.Tensor, tp_rank: int, tp_size: int, sequence_parallel: bool) -> torch.Tensor:
     """[b, s, ...] per-position values → this rank's router token order [s_local · b, ...]."""
     seq_major = per_position.transpose(0, 1)
     if sequence_parallel and tp_size > 1:
@@ -65,18 +64,26 @@ def natural_routing_map(router, hidden: torch.Tensor) -> torch.Tensor:
     config = router.config
     logits = router.gating(hidden).view(-1, config.num_moe_experts)
     _, routing_map = topk_routing_with_score_function(
-        logits, router.topk, use_pre_softmax=config.moe_router_pre_softmax,
-        num_groups=config.moe_router_num_groups, group_topk=config.moe_router_group_topk,
-        scaling_factor=config.moe_router_topk_scaling_factor, score_function=router.score_function,
-        expert_bias=getattr(router, "expert_bias", None), fused=False, router_replay=None)
+        logits,
+        router.topk,
+        use_pre_softmax=config.moe_router_pre_softmax,
+        num_groups=config.moe_router_num_groups,
+        group_topk=config.moe_router_group_topk,
+        scaling_factor=config.moe_router_topk_scaling_factor,
+        score_function=router.score_function,
+        expert_bias=getattr(router, "expert_bias", None),
+        fused=False,
+        router_replay=None,
+    )
     return routing_map.bool()
 
 
 class RoutingReplay:
     """This rank's routers and their RouterReplay instances, driven per micro-batch."""
 
-    def __init__(self, modules: list[ModelChunk], *, num_layers: int, top_k: int,
-                 sequence_parallel: bool, recompute: bool):
+    def __init__(
+        self, modules: list[ModelChunk], *, num_layers: int, top_k: int, sequence_parallel: bool, recompute: bool
+    ):
         from megatron.core import parallel_state as mpu
 
         self.routers = _moe_routers(modules)
@@ -91,8 +98,7 @@ class RoutingReplay:
         self._count = torch.zeros(num_layers, dtype=torch.float64)
         self._used = torch.zeros(num_layers, dtype=torch.float64)
         self._valid: torch.Tensor | None = None
-        self._hooks = [router.register_forward_hook(self._measure(layer))
-                       for layer, router in self.routers]
+        self._hooks = [router.register_forward_hook(self._measure(layer)) for layer, router in self.routers]
 
     # ------------------------------------------------------------------ actions
     def _set_action(self, action) -> None:
@@ -122,8 +128,9 @@ class RoutingReplay:
 
     def keep_recorded(self, index: int) -> None:
         """After that forward: keep what each local router chose for this micro-batch."""
-        self.recorded[index] = [router.router_replay.get_recorded_indices().detach().cpu()
-                                for _, router in self.routers]
+        self.recorded[index] = [
+            router.router_replay.get_recorded_indices().detach().cpu() for _, router in self.routers
+        ]
 
     def replay(self, targets: list[torch.Tensor], valid: torch.Tensor) -> None:
         """Before a micro-batch forward: force each local router to `targets` (one tensor per
@@ -156,8 +163,7 @@ class RoutingReplay:
         return [local[:, layer] for layer, _ in self.routers]
 
     def local_valid(self, response_mask: torch.Tensor) -> torch.Tensor:
-        return local_token_order(replay_valid_mask(response_mask), self.tp_rank, self.tp_size,
-                                 self.sequence_parallel)
+        return local_token_order(replay_valid_mask(response_mask), self.tp_rank, self.tp_size, self.sequence_parallel)
 
     # ------------------------------------------------------------------ agreement
     def _measure(self, layer: int):

@@ -41,8 +41,14 @@ def _io_tests(inputs: Any, outputs: Any, fn_name: Any) -> list[dict]:
         tests = []
         for args, expected in zip(inputs, outputs):
             args = json.loads(args) if isinstance(args, str) else args
-            tests.append({"kind": "call", "fn": str(fn_name), "args": args if isinstance(args, list) else [args],
-                          "expected": expected})
+            tests.append(
+                {
+                    "kind": "call",
+                    "fn": str(fn_name),
+                    "args": args if isinstance(args, list) else [args],
+                    "expected": expected,
+                }
+            )
         return tests
     return [{"kind": "stdio", "input": _text(i), "expected": _text(o)} for i, o in zip(inputs, outputs)]
 
@@ -63,8 +69,9 @@ def parse_tests(tests: Any) -> list[dict]:
         if "inputs" in tests or "outputs" in tests:
             parsed = _io_tests(tests.get("inputs"), tests.get("outputs"), tests.get("fn_name"))
         elif "test_list" in tests:
-            setup = "\n".join(filter(None, [tests.get("test_imports") and _text(tests["test_imports"]),
-                                            tests.get("test_setup_code")]))
+            setup = "\n".join(
+                filter(None, [tests.get("test_imports") and _text(tests["test_imports"]), tests.get("test_setup_code")])
+            )
             parsed = [{"kind": "assert", "code": f"{setup}\n{t}" if setup else str(t)} for t in tests["test_list"]]
         elif "test" in tests:
             code = str(tests["test"])
@@ -74,8 +81,9 @@ def parse_tests(tests: Any) -> list[dict]:
         elif "input" in tests and "output" in tests:
             parsed = [{"kind": "stdio", "input": _text(tests["input"]), "expected": _text(tests["output"])}]
         else:
-            raise CodeTestError(f"an object with keys {sorted(tests)[:6]}: expected inputs/outputs, test_list, "
-                                "test or input/output")
+            raise CodeTestError(
+                f"an object with keys {sorted(tests)[:6]}: expected inputs/outputs, test_list, test or input/output"
+            )
     elif isinstance(tests, list):
         parsed = []
         for item in tests:
@@ -143,8 +151,9 @@ class CodeVerifier:
     """Scores responses against a record's tests; the sandbox's supervisors are started per
     batch, so nothing stays running between batches."""
 
-    def __init__(self, *, timeout_s: float, memory_mb: int, max_output_kb: int, reward: str = "all_pass",
-                 parallel: int = 2):
+    def __init__(
+        self, *, timeout_s: float, memory_mb: int, max_output_kb: int, reward: str = "all_pass", parallel: int = 2
+    ):
         self.timeout_s, self.memory_mb, self.reward, self.parallel = timeout_s, memory_mb, reward, parallel
         self.output_bytes = max_output_kb * 1024
 
@@ -152,12 +161,22 @@ class CodeVerifier:
         """Verdicts of responses that answer the same record (its tests)."""
         cases = parse_tests(tests)
         codes = [extract_code(r) for r in responses]
-        jobs = [{"code": code, "tests": [{k: v for k, v in t.items() if k != "expected"} for t in cases]}
-                for code in codes if code.strip()]
+        jobs = [
+            {"code": code, "tests": [{k: v for k, v in t.items() if k != "expected"} for t in cases]}
+            for code in codes
+            if code.strip()
+        ]
         from megatron_rlvr.rewards.runner import run_jobs
 
-        answers = iter(run_jobs(jobs, wall_s=self.timeout_s, memory_mb=self.memory_mb,
-                                output_bytes=self.output_bytes, parallel=self.parallel))
+        answers = iter(
+            run_jobs(
+                jobs,
+                wall_s=self.timeout_s,
+                memory_mb=self.memory_mb,
+                output_bytes=self.output_bytes,
+                parallel=self.parallel,
+            )
+        )
         verdicts = []
         for code in codes:
             if not code.strip():

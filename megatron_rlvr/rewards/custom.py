@@ -51,8 +51,9 @@ def check_function(name: str, resolved: dict) -> None:
         except (ImportError, ValueError):
             found = None
         if found is None or not found.origin or not found.origin.endswith(".py"):
-            raise FunctionSpecError(f"{where}: no Python module {module!r} (searched {resolved['search'][0]} and "
-                                    "the installed packages)")
+            raise FunctionSpecError(
+                f"{where}: no Python module {module!r} (searched {resolved['search'][0]} and the installed packages)"
+            )
         source_path = Path(found.origin)
     try:
         tree = ast.parse(source_path.read_text(), str(source_path))
@@ -78,9 +79,14 @@ class FunctionVerifier:
     def verify_batch(self, responses: list[str], record: dict) -> list[Verdict]:
         from megatron_rlvr.rewards.runner import run_jobs
 
-        answers = run_jobs([{"response": r, "record": record} for r in responses], wall_s=self.timeout_s,
-                           memory_mb=self.memory_mb, output_bytes=1 << 20, parallel=self.parallel,
-                           function=self.resolved)
+        answers = run_jobs(
+            [{"response": r, "record": record} for r in responses],
+            wall_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            output_bytes=1 << 20,
+            parallel=self.parallel,
+            function=self.resolved,
+        )
         verdicts = []
         for answer in answers:
             outcome = answer.get("outcome") or answer["error"]

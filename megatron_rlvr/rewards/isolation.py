@@ -91,23 +91,35 @@ def confine_writes(directory: str) -> int:
     Landlock ABI >= 4, open no TCP connection). Returns the ABI used."""
     abi = landlock_abi()
     if abi < 1:
-        raise SandboxUnavailable("the sandbox needs Linux Landlock (kernel >= 5.13 with landlock in its LSM "
-                                 "list) to keep model-written code from writing outside its temporary directory")
+        raise SandboxUnavailable(
+            "the sandbox needs Linux Landlock (kernel >= 5.13 with landlock in its LSM "
+            "list) to keep model-written code from writing outside its temporary directory"
+        )
     write = FS_WRITE_V1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
     write |= FS_IOCTL_DEV if abi >= 5 else 0
     net = NET_BIND_TCP | NET_CONNECT_TCP if abi >= 4 else 0
     scoped = SCOPE_ABSTRACT_UNIX_SOCKET | SCOPE_SIGNAL if abi >= 6 else 0
     attr = struct.pack("QQQ", write, net, scoped)[: 8 if abi < 4 else 16 if abi < 6 else 24]
-    ruleset = _check(_libc.syscall(SYS_LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)),
-                                   ctypes.c_uint32(0)), "landlock_create_ruleset")
+    ruleset = _check(
+        _libc.syscall(
+            SYS_LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)
+        ),
+        "landlock_create_ruleset",
+    )
     parent = os.open(directory, os.O_PATH | os.O_CLOEXEC | os.O_DIRECTORY)
     try:
         rule = struct.pack("=Qi", write, parent)  # struct landlock_path_beneath_attr (packed)
-        _check(_libc.syscall(SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.c_char_p(rule),
-                             ctypes.c_uint32(0)), "landlock_add_rule")
+        _check(
+            _libc.syscall(
+                SYS_LANDLOCK_ADD_RULE, ctypes.c_int(ruleset), ctypes.c_int(1), ctypes.c_char_p(rule), ctypes.c_uint32(0)
+            ),
+            "landlock_add_rule",
+        )
         _prctl(PR_SET_NO_NEW_PRIVS, 1)
-        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)),
-               "landlock_restrict_self")
+        _check(
+            _libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)),
+            "landlock_restrict_self",
+        )
     finally:
         os.close(parent)
         os.close(ruleset)
@@ -118,24 +130,74 @@ def confine_writes(directory: str) -> int:
 # Syscalls that kill the process, by architecture: x86_64 from arch/x86/entry/syscalls/
 # syscall_64.tbl, aarch64 from include/uapi/asm-generic/unistd.h.
 _DENIED_COMMON = {  # name: (x86_64, aarch64)
-    "socket": (41, 198), "execve": (59, 221), "execveat": (322, 281), "ptrace": (101, 117),
-    "setpgid": (109, 154), "setsid": (112, 157), "chroot": (161, 51), "acct": (163, 89), "mount": (165, 40),
-    "umount2": (166, 39), "pivot_root": (155, 41), "swapon": (167, 224), "swapoff": (168, 225),
-    "reboot": (169, 142), "init_module": (175, 105), "delete_module": (176, 106), "finit_module": (313, 273),
-    "kexec_load": (246, 104), "kexec_file_load": (320, 294), "add_key": (248, 217), "request_key": (249, 218),
-    "keyctl": (250, 219), "unshare": (272, 97), "setns": (308, 268), "tkill": (200, 130),
-    "rt_sigqueueinfo": (129, 138), "rt_tgsigqueueinfo": (297, 240), "pidfd_send_signal": (424, 424),
-    "perf_event_open": (298, 241), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
-    "bpf": (321, 280), "userfaultfd": (323, 282), "io_uring_setup": (425, 425), "io_uring_enter": (426, 426),
-    "io_uring_register": (427, 427), "open_tree": (428, 428), "move_mount": (429, 429), "fsopen": (430, 430),
-    "fsconfig": (431, 431), "fsmount": (432, 432), "fspick": (433, 433), "mount_setattr": (442, 442),
-    "name_to_handle_at": (303, 264), "open_by_handle_at": (304, 265),
-    "fchmod": (91, 52), "fchmodat": (268, 53), "fchmodat2": (452, 452), "fchown": (93, 55),
-    "fchownat": (260, 54), "setxattr": (188, 5), "lsetxattr": (189, 6), "fsetxattr": (190, 7),
-    "removexattr": (197, 14), "lremovexattr": (198, 15), "fremovexattr": (199, 16), "utimensat": (280, 88),
+    "socket": (41, 198),
+    "execve": (59, 221),
+    "execveat": (322, 281),
+    "ptrace": (101, 117),
+    "setpgid": (109, 154),
+    "setsid": (112, 157),
+    "chroot": (161, 51),
+    "acct": (163, 89),
+    "mount": (165, 40),
+    "umount2": (166, 39),
+    "pivot_root": (155, 41),
+    "swapon": (167, 224),
+    "swapoff": (168, 225),
+    "reboot": (169, 142),
+    "init_module": (175, 105),
+    "delete_module": (176, 106),
+    "finit_module": (313, 273),
+    "kexec_load": (246, 104),
+    "kexec_file_load": (320, 294),
+    "add_key": (248, 217),
+    "request_key": (249, 218),
+    "keyctl": (250, 219),
+    "unshare": (272, 97),
+    "setns": (308, 268),
+    "tkill": (200, 130),
+    "rt_sigqueueinfo": (129, 138),
+    "rt_tgsigqueueinfo": (297, 240),
+    "pidfd_send_signal": (424, 424),
+    "perf_event_open": (298, 241),
+    "process_vm_readv": (310, 270),
+    "process_vm_writev": (311, 271),
+    "bpf": (321, 280),
+    "userfaultfd": (323, 282),
+    "io_uring_setup": (425, 425),
+    "io_uring_enter": (426, 426),
+    "io_uring_register": (427, 427),
+    "open_tree": (428, 428),
+    "move_mount": (429, 429),
+    "fsopen": (430, 430),
+    "fsconfig": (431, 431),
+    "fsmount": (432, 432),
+    "fspick": (433, 433),
+    "mount_setattr": (442, 442),
+    "name_to_handle_at": (303, 264),
+    "open_by_handle_at": (304, 265),
+    "fchmod": (91, 52),
+    "fchmodat": (268, 53),
+    "fchmodat2": (452, 452),
+    "fchown": (93, 55),
+    "fchownat": (260, 54),
+    "setxattr": (188, 5),
+    "lsetxattr": (189, 6),
+    "fsetxattr": (190, 7),
+    "removexattr": (197, 14),
+    "lremovexattr": (198, 15),
+    "fremovexattr": (199, 16),
+    "utimensat": (280, 88),
 }
-_DENIED_X86_ONLY = {"fork": 57, "vfork": 58, "chmod": 90, "chown": 92, "lchown": 94, "utime": 132,
-                    "utimes": 235, "futimesat": 261}
+_DENIED_X86_ONLY = {
+    "fork": 57,
+    "vfork": 58,
+    "chmod": 90,
+    "chown": 92,
+    "lchown": 94,
+    "utime": 132,
+    "utimes": 235,
+    "futimesat": 261,
+}
 _ARCH = {  # machine: (AUDIT_ARCH_*, index in _DENIED_COMMON, clone, clone3, kill, tgkill)
     "x86_64": (0xC000003E, 0, 56, 435, 62, 234),
     "aarch64": (0xC00000B7, 1, 220, 435, 129, 131),
@@ -173,19 +235,35 @@ def seccomp_program(machine: str, pid: int) -> bytes:
     if machine not in _ARCH:
         raise SandboxUnavailable(f"the sandbox's seccomp filter knows x86_64 and aarch64, not {machine}")
     arch, column, clone, clone3, kill, tgkill = _ARCH[machine]
-    denied = sorted({nrs[column] for nrs in _DENIED_COMMON.values()}
-                    | (set(_DENIED_X86_ONLY.values()) if machine == "x86_64" else set()))
+    denied = sorted(
+        {nrs[column] for nrs in _DENIED_COMMON.values()}
+        | (set(_DENIED_X86_ONLY.values()) if machine == "x86_64" else set())
+    )
     program: list[tuple] = [("ld", 4), ("jeq", arch, None, "kill"), ("ld", 0)]
     if machine == "x86_64":
         program.append(("jge", 0x40000000, "kill", None))  # the x32 ABI's numbering
     program += [("jeq", nr, "kill", None) for nr in denied]
-    program += [("jeq", clone, "clone", None), ("jeq", clone3, "enosys", None),
-                ("jeq", kill, "self", None), ("jeq", tgkill, "self", None), ("ret", RET_ALLOW),
-                ("label", "clone"), ("ld", 16), ("jset", CLONE_THREAD, "allow", "kill"),
-                ("label", "self"), ("ld", 20), ("jeq", 0, None, "kill"), ("ld", 16), ("jeq", pid, "allow", "kill"),
-                ("label", "allow"), ("ret", RET_ALLOW),
-                ("label", "kill"), ("ret", RET_KILL_PROCESS),
-                ("label", "enosys"), ("ret", RET_ERRNO | ENOSYS)]
+    program += [
+        ("jeq", clone, "clone", None),
+        ("jeq", clone3, "enosys", None),
+        ("jeq", kill, "self", None),
+        ("jeq", tgkill, "self", None),
+        ("ret", RET_ALLOW),
+        ("label", "clone"),
+        ("ld", 16),
+        ("jset", CLONE_THREAD, "allow", "kill"),
+        ("label", "self"),
+        ("ld", 20),
+        ("jeq", 0, None, "kill"),
+        ("ld", 16),
+        ("jeq", pid, "allow", "kill"),
+        ("label", "allow"),
+        ("ret", RET_ALLOW),
+        ("label", "kill"),
+        ("ret", RET_KILL_PROCESS),
+        ("label", "enosys"),
+        ("ret", RET_ERRNO | ENOSYS),
+    ]
     return _assemble(program)
 
 
@@ -203,8 +281,12 @@ def install_seccomp() -> None:
 
 # ----------------------------------------------------------------------------- rlimits
 def limit_resources(*, memory_mb: int, cpu_s: int, file_bytes: int, open_files: int = 64) -> None:
-    for which, value in ((resource.RLIMIT_AS, memory_mb * 2**20), (resource.RLIMIT_FSIZE, file_bytes),
-                         (resource.RLIMIT_NOFILE, open_files), (resource.RLIMIT_CORE, 0)):
+    for which, value in (
+        (resource.RLIMIT_AS, memory_mb * 2**20),
+        (resource.RLIMIT_FSIZE, file_bytes),
+        (resource.RLIMIT_NOFILE, open_files),
+        (resource.RLIMIT_CORE, 0),
+    ):
         resource.setrlimit(which, (value, value))
     resource.setrlimit(resource.RLIMIT_CPU, (cpu_s, cpu_s + 1))  # SIGXCPU, then SIGKILL a second later
 
@@ -215,6 +297,8 @@ def check_available() -> int:
     seccomp_program(platform.machine(), 1)
     abi = landlock_abi()
     if abi < 1:
-        raise SandboxUnavailable("the sandbox needs Linux Landlock (kernel >= 5.13 with landlock in its LSM list) "
-                                 "to keep model-written code from writing outside its temporary directory")
+        raise SandboxUnavailable(
+            "the sandbox needs Linux Landlock (kernel >= 5.13 with landlock in its LSM list) "
+            "to keep model-written code from writing outside its temporary directory"
+        )
     return abi

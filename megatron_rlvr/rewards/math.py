@@ -79,9 +79,7 @@ class MathVerifier:
     def verify(self, response: str, gold: str, timeout_s: float | None = None) -> Verdict:
         return self.verify_batch([response], [gold], timeout_s)[0]
 
-    def verify_batch(
-        self, responses: list[str], golds: list[str], timeout_s: float | None = None
-    ) -> list[Verdict]:
+    def verify_batch(self, responses: list[str], golds: list[str], timeout_s: float | None = None) -> list[Verdict]:
         """Verdicts for many pairs; the undecided ones share the worker pool in parallel."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
@@ -129,8 +127,6 @@ def verify_math(response: str, gold: str, timeout_s: float = 5.0) -> float:
     return verify_math_detailed(response, gold, timeout_s)[0]
 
 
-def verify_math_batch(
-    responses: list[str], golds: list[str], timeout_s: float = 5.0
-) -> list[Verdict]:
+def verify_math_batch(responses: list[str], golds: list[str], timeout_s: float = 5.0) -> list[Verdict]:
     """Batch form of verify_math_detailed, for throughput."""
     return default_verifier().verify_batch(responses, golds, timeout_s)

@@ -274,8 +274,9 @@ class Comparison:
             return self.backend.real_set_equal(a, b, self.note)
         checks = []
         for (lo_a, hi_a, lo_open_a, hi_open_a), (lo_b, hi_b, lo_open_b, hi_open_b) in zip(ia, ib):
-            if (lo_open_a or _infinite(lo_a)) != (lo_open_b or _infinite(lo_b)) or \
-                    (hi_open_a or _infinite(hi_a)) != (hi_open_b or _infinite(hi_b)):
+            if (lo_open_a or _infinite(lo_a)) != (lo_open_b or _infinite(lo_b)) or (hi_open_a or _infinite(hi_a)) != (
+                hi_open_b or _infinite(hi_b)
+            ):
                 return self.shape()
             checks += [self.endpoint_equal(lo_a, lo_b), self.endpoint_equal(hi_a, hi_b)]
         return all_of(checks)
@@ -329,8 +330,7 @@ def _point_of(values, point) -> bool:
     """Whether a list of plain values reads as the point: as many values, and a point that
     cannot be an open interval (a pair (a, b) with a < b could be one)."""
     items = values[1]
-    if len(items) != len(point[1]) or any(x[0] in ("rel", "tuple", "set", "list", "interval", "text")
-                                           for x in items):
+    if len(items) != len(point[1]) or any(x[0] in ("rel", "tuple", "set", "list", "interval", "text") for x in items):
         return False
     if len(items) == 2:
         lo, hi = rational(point[1][0]), rational(point[1][1])
@@ -507,4 +507,3 @@ def compare(pred, gold, backend: FastBackend) -> tuple[Tri, str]:
     comparison = Comparison(backend)
     result = comparison.equal(pred, gold)
     return result, comparison.reason(result)
-

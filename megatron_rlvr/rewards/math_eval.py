@@ -75,7 +75,7 @@ def _power(base: Fraction | None, exponent: Fraction | None) -> Fraction | None:
     if base < 0:
         return None  # a principal complex root: sympy's business
     root = _exact_root(base, exponent.denominator)
-    return None if root is None else _checked(root ** exponent.numerator)
+    return None if root is None else _checked(root**exponent.numerator)
 
 
 def _log(value: Fraction | None, base: Fraction | None) -> Fraction | None:
@@ -240,8 +240,16 @@ class Approximator:
         x = args[0]
         if name in ("sin", "cos", "tan", "cot", "sec", "csc", "cis") and abs(x) > 1e6:
             raise Undecided  # a double has no digits left to reduce sin(10^20) by 2pi
-        simple = {"sqrt": cmath.sqrt, "sin": cmath.sin, "cos": cmath.cos, "tan": cmath.tan, "exp": cmath.exp,
-                  "sinh": cmath.sinh, "cosh": cmath.cosh, "tanh": cmath.tanh}
+        simple = {
+            "sqrt": cmath.sqrt,
+            "sin": cmath.sin,
+            "cos": cmath.cos,
+            "tan": cmath.tan,
+            "exp": cmath.exp,
+            "sinh": cmath.sinh,
+            "cosh": cmath.cosh,
+            "tanh": cmath.tanh,
+        }
         if name in simple:
             return simple[name](x)
         if name in ("cot", "sec", "csc"):
@@ -287,8 +295,13 @@ def sample_points(names: set, count: int = 2) -> list[dict[str, complex]]:
     """Deterministic, distinct positive points in (0.2, 0.95): in the domain of sqrt(1-x),
     arcsin x, log x, away from 0 and 1 where special cases live."""
     ordered = sorted(names)
-    return [{name: complex(0.2 + 0.75 * (((k + 1) * 0.6180339887 + j * 0.4142135623 + 0.1 * j) % 1.0))
-             for k, name in enumerate(ordered)} for j in range(count)]
+    return [
+        {
+            name: complex(0.2 + 0.75 * (((k + 1) * 0.6180339887 + j * 0.4142135623 + 0.1 * j) % 1.0))
+            for k, name in enumerate(ordered)
+        }
+        for j in range(count)
+    ]
 
 
 def values_differ(a, b, tolerance: float = 1e-7) -> bool | None:

@@ -19,8 +19,13 @@ _BINOM_SCRIPTS = re.compile(  # {}_5C_2, {}^{8}C_{3}, _5C_2
 )
 _UNIT = r"(i|j|k|\\imath|\\jmath)"
 _UNIT_VECTOR = re.compile(  # \mathbf{i}, \hat{\imath}, \vec{j}, \hat{\mathbf{k}}, \hat i
-    r"\\(?:mathbf|boldsymbol|bm|vec|hat|widehat)\s*(?:\{\s*\\(?:mathbf|boldsymbol|bm)\s*\{\s*" + _UNIT
-    + r"\s*\}\s*\}|\{\s*" + _UNIT + r"\s*\}|\s+" + _UNIT + r"(?![a-zA-Z]))"
+    r"\\(?:mathbf|boldsymbol|bm|vec|hat|widehat)\s*(?:\{\s*\\(?:mathbf|boldsymbol|bm)\s*\{\s*"
+    + _UNIT
+    + r"\s*\}\s*\}|\{\s*"
+    + _UNIT
+    + r"\s*\}|\s+"
+    + _UNIT
+    + r"(?![a-zA-Z]))"
 )
 _TEXT_E = re.compile(  # 4.8\text{E-}19, 1.5\text{E}{-4}, 2\mathrm{e}{+3}
     r"(?<=\d)\s*\\(?:text|mathrm|textnormal)\s*\{\s*[eE]\s*([-+]?)\s*\}\s*(?:\{\s*([-+]?\d+)\s*\}|(\d+))"
@@ -29,8 +34,12 @@ _PRIME = re.compile(r"(?<![\\a-zA-Z\d])([a-zA-Z])\s*('{1,3}|(?:\^\s*\{?\s*\\prim
 _FEET_INCHES = re.compile(r"(?<![\w.])(\d+)\s*'\s*(\d+(?:\.\d+)?)\s*(?:''|\")")  # 5'6"
 _INCHES = re.compile(r"(?<=\d)\s*(?:''|\")")
 _FEET = re.compile(r"(?<=\d)\s*'")
-_BASE_WORDS = {w: n for n, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen".split())}
+_BASE_WORDS = {
+    w: n
+    for n, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen".split()
+    )
+}
 _BASE_NUMERAL = re.compile(  # 1011_2, 2a_{16}, (10001)_2, 1011_{(2)}, 1021_{\text{three}}
     r"(?<![\w.\\}])(?:\(\s*([0-9A-Za-z]+)\s*\)|(\d[0-9A-Za-z]*))\s*_\s*"
     r"(?:\{\s*(?:\(\s*(\d+)\s*\)|\\(?:text|mathrm|textnormal)\s*\{\s*([a-z]+)\s*\}|(\d+)|([a-z]+))\s*\}|(\d+))"

@@ -11,18 +11,60 @@ from megatron_rlvr.rewards.math_forms import rewrite_forms
 from megatron_rlvr.rewards.math_text import MAX_ANSWER_CHARS, AnswerError, matching_brace
 
 _UNICODE = {
-    "\u2212": "-", "\u2013": "-", "\u2014": "-", "\u00d7": r"\times ", "\u00f7": r"\div ",
-    "\u00b7": r"\cdot ", "\u22c5": r"\cdot ", "\u2219": r"\cdot ", "\u2264": r"\le ", "\u2265": r"\ge ",
-    "\u2260": r"\ne ", "\u03c0": r"\pi ", "\u221e": r"\infty ", "\u00b0": r"^\circ ", "\u222a": r"\cup ",
-    "\u2229": r"\cap ", "\u2208": r"\in ", "\u2205": r"\emptyset ", "\u211d": r"\mathbb{R}",
-    "\u00b1": r"\pm ", "\u2213": r"\mp ", "\u27e8": r"\langle ", "\u27e9": r"\rangle ", "\u2223": "|",
-    "\u03b8": r"\theta ", "\u03b1": r"\alpha ", "\u03b2": r"\beta ", "\u03c6": r"\phi ", "\u2026": r"\ldots ",
-    "\u00a0": " ", "\u2009": " ", "\u202f": " ", "\u2032": "'", "\u2248": r"\approx ",
-    "\u00bd": r"\frac{1}{2}", "\u2153": r"\frac{1}{3}", "\u2154": r"\frac{2}{3}", "\u00bc": r"\frac{1}{4}",
-    "\u00be": r"\frac{3}{4}", "\u2155": r"\frac{1}{5}", "\u2159": r"\frac{1}{6}", "\u215b": r"\frac{1}{8}",
-    "\u2156": r"\frac{2}{5}", "\u2157": r"\frac{3}{5}", "\u2158": r"\frac{4}{5}", "\u215a": r"\frac{5}{6}",
-    "\u215c": r"\frac{3}{8}", "\u215d": r"\frac{5}{8}", "\u215e": r"\frac{7}{8}", "\u2150": r"\frac{1}{7}",
-    "\u2151": r"\frac{1}{9}", "\u2152": r"\frac{1}{10}", "\u2044": "/", "\u2033": "''",
+    "\u2212": "-",
+    "\u2013": "-",
+    "\u2014": "-",
+    "\u00d7": r"\times ",
+    "\u00f7": r"\div ",
+    "\u00b7": r"\cdot ",
+    "\u22c5": r"\cdot ",
+    "\u2219": r"\cdot ",
+    "\u2264": r"\le ",
+    "\u2265": r"\ge ",
+    "\u2260": r"\ne ",
+    "\u03c0": r"\pi ",
+    "\u221e": r"\infty ",
+    "\u00b0": r"^\circ ",
+    "\u222a": r"\cup ",
+    "\u2229": r"\cap ",
+    "\u2208": r"\in ",
+    "\u2205": r"\emptyset ",
+    "\u211d": r"\mathbb{R}",
+    "\u00b1": r"\pm ",
+    "\u2213": r"\mp ",
+    "\u27e8": r"\langle ",
+    "\u27e9": r"\rangle ",
+    "\u2223": "|",
+    "\u03b8": r"\theta ",
+    "\u03b1": r"\alpha ",
+    "\u03b2": r"\beta ",
+    "\u03c6": r"\phi ",
+    "\u2026": r"\ldots ",
+    "\u00a0": " ",
+    "\u2009": " ",
+    "\u202f": " ",
+    "\u2032": "'",
+    "\u2248": r"\approx ",
+    "\u00bd": r"\frac{1}{2}",
+    "\u2153": r"\frac{1}{3}",
+    "\u2154": r"\frac{2}{3}",
+    "\u00bc": r"\frac{1}{4}",
+    "\u00be": r"\frac{3}{4}",
+    "\u2155": r"\frac{1}{5}",
+    "\u2159": r"\frac{1}{6}",
+    "\u215b": r"\frac{1}{8}",
+    "\u2156": r"\frac{2}{5}",
+    "\u2157": r"\frac{3}{5}",
+    "\u2158": r"\frac{4}{5}",
+    "\u215a": r"\frac{5}{6}",
+    "\u215c": r"\frac{3}{8}",
+    "\u215d": r"\frac{5}{8}",
+    "\u215e": r"\frac{7}{8}",
+    "\u2150": r"\frac{1}{7}",
+    "\u2151": r"\frac{1}{9}",
+    "\u2152": r"\frac{1}{10}",
+    "\u2044": "/",
+    "\u2033": "''",
 }
 _SUPERSCRIPT = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b", "0123456789-"))
 _SUPERSCRIPTS = re.compile("[" + "".join(_SUPERSCRIPT) + "]+")
@@ -58,35 +100,131 @@ _TEXT_COMMAND = re.compile(
     r"\\(text|textbf|textit|textrm|textsf|texttt|textnormal|textup|mathrm|mathbf|mathit|mathsf|mathtt|mathnormal|"
     r"mbox|boldsymbol|bm|operatorname|mathbb|mathcal|emph|hbox)\s*\{([^{}]*)\}"
 )
-_FONT_GROUP = re.compile(r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm)\s*(?=\{)")
+_FONT_GROUP = re.compile(
+    r"\\(?:text|textbf|textit|textrm|textnormal|mathrm|mathbf|mathit|mathsf|mbox|boldsymbol|bm)\s*(?=\{)"
+)
 _SCIENTIFIC_X = re.compile(r"(?<=\d)\s*[xX]\s*(?=10\s*\^)")  # 3 x 10^8
 _REPEATING_PARENS = re.compile(r"(\d\.\d*)\((\d+)\)")  # 0.(3), 0.1(6)
 _REPEATING_DOTS = re.compile(r"(\d\.\d*?)(\d)\2{2,}\s*(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
 _MIXED_PLAIN = re.compile(r"(?<![\d.\\])(\d+) +(\d+)/(\d+)(?![\d.])")
 _CONNECTIVES = {"or": r" \TXT{or} ", "and": r" \TXT{and} "}
 KNOWN_FUNCTIONS = {
-    "sin", "cos", "tan", "cot", "sec", "csc", "arcsin", "arccos", "arctan", "sinh", "cosh", "tanh",
-    "log", "ln", "exp", "sqrt", "pi", "cis", "lg",
+    "sin",
+    "cos",
+    "tan",
+    "cot",
+    "sec",
+    "csc",
+    "arcsin",
+    "arccos",
+    "arctan",
+    "sinh",
+    "cosh",
+    "tanh",
+    "log",
+    "ln",
+    "exp",
+    "sqrt",
+    "pi",
+    "cis",
+    "lg",
 }
-_TWO_LETTER_WORDS = {"cm", "km", "mm", "ft", "kg", "mg", "hr", "lb", "oz", "mi", "yd", "ml", "no", "in", "of", "is",
-                     "to", "on"}  # never "by" or "at": ax + by, v + at
+_TWO_LETTER_WORDS = {
+    "cm",
+    "km",
+    "mm",
+    "ft",
+    "kg",
+    "mg",
+    "hr",
+    "lb",
+    "oz",
+    "mi",
+    "yd",
+    "ml",
+    "no",
+    "in",
+    "of",
+    "is",
+    "to",
+    "on",
+}  # never "by" or "at": ax + by, v + at
 _WORD = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z]{2,})(?![a-zA-Z{])")
 _PROTECTED = re.compile(r"(\\(?:TXT|begin|end)\{[^{}]*\})")
 _MATH_FONTS = {"mathrm", "mathbf", "mathit", "mathsf", "mathtt", "boldsymbol", "bm"}
 
 
 _UNITS = {  # spelling → one name per unit; a unit is only compared when both answers name one
-    "m": "m", "meter": "m", "meters": "m", "metre": "m", "metres": "m", "cm": "cm", "centimeter": "cm",
-    "centimeters": "cm", "mm": "mm", "millimeter": "mm", "millimeters": "mm", "km": "km", "kilometer": "km",
-    "kilometers": "km", "in": "in", "inch": "in", "inches": "in", "ft": "ft", "foot": "ft", "feet": "ft",
-    "yd": "yd", "yard": "yd", "yards": "yd", "mi": "mi", "mile": "mi", "miles": "mi", "s": "s", "sec": "s",
-    "second": "s", "seconds": "s", "min": "min", "minute": "min", "minutes": "min", "h": "h", "hr": "h",
-    "hrs": "h", "hour": "h", "hours": "h", "day": "day", "days": "day", "week": "week", "weeks": "week",
-    "year": "year", "years": "year", "g": "g", "gram": "g", "grams": "g", "kg": "kg", "kilogram": "kg",
-    "kilograms": "kg", "lb": "lb", "lbs": "lb", "pound": "lb", "pounds": "lb", "oz": "oz", "ounce": "oz",
-    "ounces": "oz", "l": "l", "liter": "l", "liters": "l", "litre": "l", "litres": "l", "ml": "ml",
-    "milliliter": "ml", "milliliters": "ml", "dollar": "dollar", "dollars": "dollar", "cent": "cent",
-    "cents": "cent", "mph": "mph",
+    "m": "m",
+    "meter": "m",
+    "meters": "m",
+    "metre": "m",
+    "metres": "m",
+    "cm": "cm",
+    "centimeter": "cm",
+    "centimeters": "cm",
+    "mm": "mm",
+    "millimeter": "mm",
+    "millimeters": "mm",
+    "km": "km",
+    "kilometer": "km",
+    "kilometers": "km",
+    "in": "in",
+    "inch": "in",
+    "inches": "in",
+    "ft": "ft",
+    "foot": "ft",
+    "feet": "ft",
+    "yd": "yd",
+    "yard": "yd",
+    "yards": "yd",
+    "mi": "mi",
+    "mile": "mi",
+    "miles": "mi",
+    "s": "s",
+    "sec": "s",
+    "second": "s",
+    "seconds": "s",
+    "min": "min",
+    "minute": "min",
+    "minutes": "min",
+    "h": "h",
+    "hr": "h",
+    "hrs": "h",
+    "hour": "h",
+    "hours": "h",
+    "day": "day",
+    "days": "day",
+    "week": "week",
+    "weeks": "week",
+    "year": "year",
+    "years": "year",
+    "g": "g",
+    "gram": "g",
+    "grams": "g",
+    "kg": "kg",
+    "kilogram": "kg",
+    "kilograms": "kg",
+    "lb": "lb",
+    "lbs": "lb",
+    "pound": "lb",
+    "pounds": "lb",
+    "oz": "oz",
+    "ounce": "oz",
+    "ounces": "oz",
+    "l": "l",
+    "liter": "l",
+    "liters": "l",
+    "litre": "l",
+    "litres": "l",
+    "ml": "ml",
+    "milliliter": "ml",
+    "milliliters": "ml",
+    "dollar": "dollar",
+    "dollars": "dollar",
+    "cent": "cent",
+    "cents": "cent",
+    "mph": "mph",
 }
 _TXT = re.compile(r"\\TXT\{([^{}]*)\}")
 
@@ -102,9 +240,17 @@ def _text_command(match: re.Match) -> str:
     command, raw = match.group(1), match.group(2)
     content = raw.replace("~", " ").strip()
     before = match.string[max(0, match.start() - 8) : match.start()].rstrip()
-    if command in _MATH_FONTS and re.fullmatch(r"[A-Za-z]", content) and content not in "ei" and (
-            raw.lstrip().startswith("~") or before[-1:].isdigit() or before[-1:] in ("}", "/")
-            or before.endswith("\\cdot")):
+    if (
+        command in _MATH_FONTS
+        and re.fullmatch(r"[A-Za-z]", content)
+        and content not in "ei"
+        and (
+            raw.lstrip().startswith("~")
+            or before[-1:].isdigit()
+            or before[-1:] in ("}", "/")
+            or before.endswith("\\cdot")
+        )
+    ):
         return r" \TXT{" + content + "} "  # 8 \mathrm{~m}, 5\mathrm{g}, \mathrm{m}/\mathrm{s}: a unit
     if command == "mathbb":
         return r"\reals " if content == "R" else r"\TXT{" + content + "}"
@@ -118,7 +264,9 @@ def _text_command(match: re.Match) -> str:
     single_letter = re.fullmatch(r"[A-Za-z]", content)
     if single_letter and command not in _MATH_FONTS and content not in "ABCDE":
         return r" \TXT{" + content + "} "  # \text{ m}: a unit
-    if re.fullmatch(r"[\d\s.,+\-*/^=<>()\[\]|\\{}]*|\(?[A-Za-z]\)?|\(?[A-Za-z]\)\s*\S.*|.*\d.*", content.replace(" ", "")):
+    if re.fullmatch(
+        r"[\d\s.,+\-*/^=<>()\[\]|\\{}]*|\(?[A-Za-z]\)?|\(?[A-Za-z]\)\s*\S.*|.*\d.*", content.replace(" ", "")
+    ):
         return " " + content + " "  # formatting around math: \mathbf{12}, \textbf{(C) }, \text{5 meters}
     return r" \TXT{" + content + "} "
 
@@ -192,8 +340,12 @@ def clean(answer: str) -> str:
             break
     s = _FONT_GROUP.sub("", s)  # \mathbf{\frac{1}{2}}: the font of a group that holds math
     s = _over_to_frac(s)
-    s = _MIXED_PLAIN.sub(lambda m: m.group(0) if int(m.group(2)) >= int(m.group(3))
-                         else rf"{m.group(1)}\frac{{{m.group(2)}}}{{{m.group(3)}}}", s)
+    s = _MIXED_PLAIN.sub(
+        lambda m: m.group(0)
+        if int(m.group(2)) >= int(m.group(3))
+        else rf"{m.group(1)}\frac{{{m.group(2)}}}{{{m.group(3)}}}",
+        s,
+    )
     s = _THOUSANDS_SPACE.sub(lambda m: m.group(0).replace(" ", ""), s)
     if not re.search(r",(?!\d{3})", s) and not re.search(r"[(\[]|\\\{|\\langle", s):
         s = _THOUSANDS_COMMA.sub(lambda m: m.group(0).replace(",", ""), s)

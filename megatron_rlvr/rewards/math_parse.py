@@ -25,26 +25,76 @@ from megatron_rlvr.rewards.math_tokens import parse_number, tokenize
 MAX_DEPTH = 40
 
 KINDS = {
-    "num", "sym", "const", "add", "mul", "div", "pow", "neg", "fn", "deg", "pct", "pm", "mp", "rel", "set",
-    "tuple", "list", "interval", "union", "setminus", "matrix", "text", "empty", "choice",
+    "num",
+    "sym",
+    "const",
+    "add",
+    "mul",
+    "div",
+    "pow",
+    "neg",
+    "fn",
+    "deg",
+    "pct",
+    "pm",
+    "mp",
+    "rel",
+    "set",
+    "tuple",
+    "list",
+    "interval",
+    "union",
+    "setminus",
+    "matrix",
+    "text",
+    "empty",
+    "choice",
 }
 INFINITY = ("const", "oo")
 REALS = ("interval", ("neg", INFINITY), INFINITY, True, True)
-_EMPTY_WORDS = {"no solution", "no solutions", "no real solution", "no real solutions", "empty set",
-                "the empty set", "no real roots", "no roots", "no real values", "no such number"}
-_REAL_WORDS = {"all real numbers", "all reals", "all real x", "all real values", "real numbers",
-               "all real values of x", "every real number"}
-_NUMBER_WORDS = {w: n for n, w in enumerate(
-    "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
-    "seventeen eighteen nineteen twenty".split())}
+_EMPTY_WORDS = {
+    "no solution",
+    "no solutions",
+    "no real solution",
+    "no real solutions",
+    "empty set",
+    "the empty set",
+    "no real roots",
+    "no roots",
+    "no real values",
+    "no such number",
+}
+_REAL_WORDS = {
+    "all real numbers",
+    "all reals",
+    "all real x",
+    "all real values",
+    "real numbers",
+    "all real values of x",
+    "every real number",
+}
+_NUMBER_WORDS = {
+    w: n
+    for n, w in enumerate(
+        "zero one two three four five six seven eight nine ten eleven twelve thirteen fourteen fifteen sixteen "
+        "seventeen eighteen nineteen twenty".split()
+    )
+}
 _INVERSE = {"sin": "arcsin", "cos": "arccos", "tan": "arctan", "cot": "arccot"}
-_CONSTANTS = {"pi": ("const", "pi"), "infty": INFINITY, "infinity": INFINITY, "emptyset": ("empty",),
-              "varnothing": ("empty",), "reals": REALS}
+_CONSTANTS = {
+    "pi": ("const", "pi"),
+    "infty": INFINITY,
+    "infinity": INFINITY,
+    "emptyset": ("empty",),
+    "varnothing": ("empty",),
+    "reals": REALS,
+}
 _MATRICES = {"pmatrix", "bmatrix", "Bmatrix", "matrix", "smallmatrix", "array"}
 _RELATIONS = {"=", "<", ">", "<=", ">=", "!=", "in"}
 _SEPARATORS = {",", ";", "or", "and"}
 _CHOICE = re.compile(  # (C), C, (C) 12, C) 12, C. 12 (never "(A), (C)": several choices)
-    r"(?:\(([A-E])\)|([A-E])[).:](?=\s))\s*(?![,;(]|\\TXT\{(?:and|or)\})(.*)|([A-E])")
+    r"(?:\(([A-E])\)|([A-E])[).:](?=\s))\s*(?![,;(]|\\TXT\{(?:and|or)\})(.*)|([A-E])"
+)
 
 
 # ============================================================================ grammar

@@ -68,8 +68,12 @@ def numeral_equal(a, b) -> bool | None:
         match = _NUMERAL.fullmatch(numeral[1]) if numeral[0] == "sym" else None
         if match and plain[0] == "num":
             value = plain[1]
-            return value.denominator == 1 and value >= 0 and str(value.numerator) == match.group(1).lstrip("0") \
+            return (
+                value.denominator == 1
+                and value >= 0
+                and str(value.numerator) == match.group(1).lstrip("0")
                 or (value == 0 and set(match.group(1)) == {"0"})
+            )
     return None
 
 

@@ -15,10 +15,25 @@ from megatron_rlvr.rewards.math_text import AnswerError
 
 DIGITS = 60
 _FUNCTIONS = {
-    "sqrt": sympy.sqrt, "sin": sympy.sin, "cos": sympy.cos, "tan": sympy.tan, "cot": sympy.cot,
-    "sec": sympy.sec, "csc": sympy.csc, "arcsin": sympy.asin, "arccos": sympy.acos, "arctan": sympy.atan,
-    "arccot": sympy.acot, "sinh": sympy.sinh, "cosh": sympy.cosh, "tanh": sympy.tanh, "exp": sympy.exp,
-    "abs": sympy.Abs, "floor": sympy.floor, "ceiling": sympy.ceiling, "factorial": sympy.factorial,
+    "sqrt": sympy.sqrt,
+    "sin": sympy.sin,
+    "cos": sympy.cos,
+    "tan": sympy.tan,
+    "cot": sympy.cot,
+    "sec": sympy.sec,
+    "csc": sympy.csc,
+    "arcsin": sympy.asin,
+    "arccos": sympy.acos,
+    "arctan": sympy.atan,
+    "arccot": sympy.acot,
+    "sinh": sympy.sinh,
+    "cosh": sympy.cosh,
+    "tanh": sympy.tanh,
+    "exp": sympy.exp,
+    "abs": sympy.Abs,
+    "floor": sympy.floor,
+    "ceiling": sympy.ceiling,
+    "factorial": sympy.factorial,
     "binom": sympy.binomial,
 }
 _CONSTANTS = {"pi": sympy.pi, "e": sympy.E, "i": sympy.I, "oo": sympy.oo}

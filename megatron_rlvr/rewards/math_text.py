@@ -57,7 +57,7 @@ def box_at(text: str, start: int) -> tuple[str, int]:
         content = text[i + 1 : close]
         inner = last_boxed(content)  # \boxed{\boxed{5}}
         return (inner if inner is not None else content), close + 1
-    match = re.match(r"[^\s$]+", text[i:i + MAX_ANSWER_CHARS])
+    match = re.match(r"[^\s$]+", text[i : i + MAX_ANSWER_CHARS])
     return (match.group(0) if match else ""), i + (match.end() if match else 0)
 
 
@@ -152,11 +152,44 @@ _SENTENCE_END = re.compile(
 )
 _FILLER = re.compile(  # "the answer is therefore the number 42"
     r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
-    r"given by)\s+)+", re.IGNORECASE)
+    r"given by)\s+)+",
+    re.IGNORECASE,
+)
 _WORDS_IN_PARENS = re.compile(r"[ \t]*\((?:[A-Za-z]{2,}[ ,]*)+\)")  # "7 (seven) apples"
 _PLAIN_UNITS = {
-    "m", "s", "km", "h", "hr", "hrs", "kg", "g", "mg", "cm", "mm", "N", "J", "W", "kW", "V", "Pa", "kPa", "Hz",
-    "min", "sec", "ft", "in", "yd", "mi", "mph", "kph", "L", "mL", "ml", "lb", "lbs", "oz",
+    "m",
+    "s",
+    "km",
+    "h",
+    "hr",
+    "hrs",
+    "kg",
+    "g",
+    "mg",
+    "cm",
+    "mm",
+    "N",
+    "J",
+    "W",
+    "kW",
+    "V",
+    "Pa",
+    "kPa",
+    "Hz",
+    "min",
+    "sec",
+    "ft",
+    "in",
+    "yd",
+    "mi",
+    "mph",
+    "kph",
+    "L",
+    "mL",
+    "ml",
+    "lb",
+    "lbs",
+    "oz",
 }
 _NUMBER_AND_UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)")
 _NUMBER = re.compile(r"(?:\d+'\s?\d+(?:''|\")|[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
@@ -263,8 +296,12 @@ def _last_math_or_number(text: str) -> str:
         pass
     for bold in _BOLD.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
-    if bold is not None and bold.group(1).rstrip()[-1:] != ":" and not text.startswith(":", bold.end()) and \
-            all(other is None or bold.end() >= other.end() for other in (number, span)):
+    if (
+        bold is not None
+        and bold.group(1).rstrip()[-1:] != ":"
+        and not text.startswith(":", bold.end())
+        and all(other is None or bold.end() >= other.end() for other in (number, span))
+    ):
         return bold.group(1)  # "The winner is **Devon**." (a heading ends with a colon)
     if span is not None and (number is None or span.end() >= number.end()):
         return _span_content(span)

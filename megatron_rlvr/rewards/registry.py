@@ -20,10 +20,17 @@ class Verifiers:
         """functions: verifier.functions resolved by custom.resolve_function. One sandbox
         process per verifier: a run has verifier.num_workers of these, scoring groups at once."""
         self.math = MathVerifier(timeout_s=cfg.timeout_s, num_workers=1)
-        self.code = CodeVerifier(timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb,
-                                 max_output_kb=cfg.code.max_output_kb, reward=cfg.code.reward, parallel=1)
-        self.functions = {name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, parallel=1)
-                          for name, spec in functions.items()}
+        self.code = CodeVerifier(
+            timeout_s=cfg.timeout_s,
+            memory_mb=cfg.memory_mb,
+            max_output_kb=cfg.code.max_output_kb,
+            reward=cfg.code.reward,
+            parallel=1,
+        )
+        self.functions = {
+            name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, parallel=1)
+            for name, spec in functions.items()
+        }
 
     def verify(self, responses: list[str], record: PromptRecord) -> list[Verdict]:
         """(reward, reason) per response to `record`."""

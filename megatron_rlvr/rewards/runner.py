@@ -34,8 +34,9 @@ STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpret
 
 
 # ============================================================================ parent side
-def run_jobs(jobs: list[dict], *, wall_s: float, memory_mb: int, output_bytes: int, parallel: int,
-             function: dict | None = None) -> list[dict]:
+def run_jobs(
+    jobs: list[dict], *, wall_s: float, memory_mb: int, output_bytes: int, parallel: int, function: dict | None = None
+) -> list[dict]:
     """One result per job, in order: {"tests": [per-test outcome]} for code jobs, {"outcome"}
     for function calls. `parallel` supervisors share the jobs."""
     if not jobs:
@@ -57,12 +58,17 @@ def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
-    proc = subprocess.Popen([sys.executable, "-B", "-m", "megatron_rlvr.rewards.runner"], stdin=subprocess.PIPE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=workdir, env=env,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-B", "-m", "megatron_rlvr.rewards.runner"],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,
+    )
     try:
-        out, err = proc.communicate(json.dumps({**settings, "workdir": workdir, "jobs": jobs}).encode(),
-                                    timeout=budget)
+        out, err = proc.communicate(json.dumps({**settings, "workdir": workdir, "jobs": jobs}).encode(), timeout=budget)
         missing = {"reason": "sandbox_error", "detail": err.decode(errors="replace").strip()[-300:]}
     except subprocess.TimeoutExpired:
         _kill_session(proc)
@@ -143,8 +149,12 @@ def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin
         return {"status": "timeout", "seconds": seconds}
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
-        reason = {int(signal.SIGSYS): "sandbox_violation", int(signal.SIGXCPU): "timeout", int(signal.SIGKILL): "timeout",
-                  int(signal.SIGXFSZ): "output_limit"}.get(sig, "crashed")
+        reason = {
+            int(signal.SIGSYS): "sandbox_violation",
+            int(signal.SIGXCPU): "timeout",
+            int(signal.SIGKILL): "timeout",
+            int(signal.SIGXFSZ): "output_limit",
+        }.get(sig, "crashed")
         return {"status": reason, "detail": signal.Signals(sig).name, "seconds": seconds}
     try:
         verdict = json.loads(received)
@@ -223,6 +233,7 @@ def _code_test(code: str, test: dict):
             return {"status": "returned", "value": json.loads(json.dumps(function(*test["args"]), default=repr))}
         except BaseException as err:
             return _error(err)
+
     return target
 
 
@@ -234,8 +245,13 @@ def _code_job(job: dict, settings: dict) -> dict:
         if left <= 0.05:
             outcomes.append({"status": "timeout"})
             continue
-        outcome = _in_child(_code_test(job["code"], test), wall_s=left, memory_mb=settings["memory_mb"],
-                            output_bytes=settings["output_bytes"], stdin_data=test.get("input", ""))
+        outcome = _in_child(
+            _code_test(job["code"], test),
+            wall_s=left,
+            memory_mb=settings["memory_mb"],
+            output_bytes=settings["output_bytes"],
+            stdin_data=test.get("input", ""),
+        )
         outcomes.append(outcome)
         if outcome["status"] in ("sandbox_violation", "syntax_error"):
             break  # the same for every test
@@ -251,8 +267,12 @@ def _function_job(job: dict, function, settings: dict) -> dict:
         if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
             return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
         return {"status": "scored", "value": float(value)}
-    return {"outcome": _in_child(target, wall_s=settings["wall_s"], memory_mb=settings["memory_mb"],
-                                 output_bytes=settings["output_bytes"])}
+
+    return {
+        "outcome": _in_child(
+            target, wall_s=settings["wall_s"], memory_mb=settings["memory_mb"], output_bytes=settings["output_bytes"]
+        )
+    }
 
 
 def load_function(spec: dict):

@@ -8,6 +8,7 @@ parse them with the same bounded parser (math_parse) and build sympy objects by 
 calls: nothing from a response is ever evaluated as code. The caller never waits longer than
 the timeout and never sees an exception.
 """
+
 from __future__ import annotations
 
 import json
@@ -111,8 +112,11 @@ class SandboxPool:
         env["OMP_NUM_THREADS"] = "1"
         proc = subprocess.Popen(
             [sys.executable, "-m", "megatron_rlvr.rewards.sandbox", str(self.memory_mb)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            env=env, start_new_session=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            env=env,
+            start_new_session=True,
         )
         return _Worker(proc)
 
@@ -137,9 +141,7 @@ class SandboxPool:
                         index = pending.popleft()
                         pred, gold = pairs[index]
                         worker.task, worker.deadline = index, time.monotonic() + timeout_s
-                        worker.proc.stdin.write(
-                            (json.dumps({"pred": pred, "gold": gold}) + "\n").encode()
-                        )
+                        worker.proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
                         worker.proc.stdin.flush()
                 deadlines = [w.deadline for w in self._workers if w.task is not None]
                 wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.05

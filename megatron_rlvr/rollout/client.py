@@ -24,25 +24,37 @@ class EngineUnavailable(ConnectionError):
 
 
 class EngineClient:
-    def __init__(self, base_url: str, *, timeout_s: float = 120.0, retries: int = 2,
-                 backoff_s: float = 0.2, update_timeout_s: float = 600.0):
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float = 120.0,
+        retries: int = 2,
+        backoff_s: float = 0.2,
+        update_timeout_s: float = 600.0,
+    ):
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self.timeout_s, self.update_timeout_s = timeout_s, update_timeout_s
-        self._http = httpx.AsyncClient(base_url=self.base_url,
-                                       timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
         self.healthy = True
         self.failures = 0
         self.in_flight = 0
 
-    async def _request(self, method: str, path: str, body: dict | None = None, *,
-                       timeout_s: float | None = None, retries: int | None = None) -> Any:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: dict | None = None,
+        *,
+        timeout_s: float | None = None,
+        retries: int | None = None,
+    ) -> Any:
         attempts = (self.retries if retries is None else retries) + 1
         last: Exception | None = None
         for attempt in range(attempts):
             try:
-                response = await self._http.request(method, path, json=body,
-                                                     timeout=timeout_s or self.timeout_s)
+                response = await self._http.request(method, path, json=body, timeout=timeout_s or self.timeout_s)
             except (httpx.TransportError, httpx.TimeoutException) as err:
                 last = err
             else:
@@ -63,8 +75,7 @@ class EngineClient:
         """Always a list (one per prompt × n), whatever shape SGLang answered in."""
         self.in_flight += 1
         try:
-            data = await self._request("POST", "/generate", request.model_dump(exclude_none=True),
-                                       retries=0)
+            data = await self._request("POST", "/generate", request.model_dump(exclude_none=True), retries=0)
         finally:
             self.in_flight -= 1
         rows = data if isinstance(data, list) else [data]
@@ -94,8 +105,9 @@ class EngineClient:
 
     # ------------------------------------------------------------------ weight updates
     async def init_weights_update_group(self, req: p.InitWeightsUpdateGroupReqInput) -> None:
-        await self._request("POST", "/init_weights_update_group", req.model_dump(),
-                            timeout_s=self.update_timeout_s, retries=0)
+        await self._request(
+            "POST", "/init_weights_update_group", req.model_dump(), timeout_s=self.update_timeout_s, retries=0
+        )
 
     async def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
         await self._request("POST", "/destroy_weights_update_group", {"group_name": group_name})
@@ -107,8 +119,13 @@ class EngineClient:
         await self._request("POST", "/end_weight_update", {})
 
     async def update_weights_from_distributed(self, req: p.UpdateWeightsFromDistributedReqInput) -> None:
-        await self._request("POST", "/update_weights_from_distributed", req.model_dump(exclude_none=True),
-                            timeout_s=self.update_timeout_s, retries=0)
+        await self._request(
+            "POST",
+            "/update_weights_from_distributed",
+            req.model_dump(exclude_none=True),
+            timeout_s=self.update_timeout_s,
+            retries=0,
+        )
 
     async def close(self) -> None:
         await self._http.aclose()

@@ -90,15 +90,15 @@ def expert_weight_table(model: torch.nn.Module, family: Family | None = None) ->
 
 
 class CpuEngine:
-    def __init__(self, model_dir: str, *, dtype: str = "float32", max_batch: int = 64,
-                 weight_version: str = "0"):
+    def __init__(self, model_dir: str, *, dtype: str = "float32", max_batch: int = 64, weight_version: str = "0"):
         from transformers import AutoModelForCausalLM
 
         self.model_dir = model_dir
         self.family = family_of(read_hf_config(model_dir))
         # the checkpoint's own config (an alias such as kimi_k2 as its family's)
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, config=read_hf_config(model_dir),
-                                                          dtype=getattr(torch, dtype))
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, config=read_hf_config(model_dir), dtype=getattr(torch, dtype)
+        )
         self.model.eval()
         self.config = self.model.config
         self.weights = expert_weight_table(self.model, self.family)
@@ -135,8 +135,10 @@ class CpuEngine:
 
             gate.register_forward_hook(keep)
         if not moe_layers:
-            raise EngineError(f"no router `mlp.{self.family.router}` with top_k found in "
-                              f"{type(self.model).__name__}: routed experts could not be captured")
+            raise EngineError(
+                f"no router `mlp.{self.family.router}` with top_k found in "
+                f"{type(self.model).__name__}: routed experts could not be captured"
+            )
         return moe_layers
 
     # ------------------------------------------------------------------ requests
@@ -156,9 +158,15 @@ class CpuEngine:
             raise EngineError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
         rid = rid or uuid.uuid4().hex
         base = params.sampling_seed
-        seqs = [Sequence(rid=rid, prompt_ids=list(prompt_ids), params=params,
-                         seed=(base + i) if base is not None else next(self._seeds) * 7919)
-                for i in range(params.n)]
+        seqs = [
+            Sequence(
+                rid=rid,
+                prompt_ids=list(prompt_ids),
+                params=params,
+                seed=(base + i) if base is not None else next(self._seeds) * 7919,
+            )
+            for i in range(params.n)
+        ]
         with self._cond:
             self._waiting.extend(seqs)
             self._cond.notify_all()
@@ -213,7 +221,7 @@ class CpuEngine:
                     self._cond.wait()
                 if self._stopped:
                     return
-                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch:]
+                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
                 self._running = batch
             try:
                 self._generate(batch)
@@ -233,16 +241,17 @@ class CpuEngine:
     def _forward(self, ids, attention, positions, past):
         with self.model_lock, torch.no_grad():
             self._routing_step.clear()
-            return self.model(input_ids=ids, attention_mask=attention, position_ids=positions,
-                              past_key_values=past, use_cache=True)
+            return self.model(
+                input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=past, use_cache=True
+            )
 
     def _generate(self, batch: list[Sequence]) -> None:
         width = max(len(s.tokens) for s in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         attention = torch.zeros(len(batch), width, dtype=torch.long)
         for i, seq in enumerate(batch):
-            ids[i, width - len(seq.tokens):] = torch.tensor(seq.tokens)
-            attention[i, width - len(seq.tokens):] = 1
+            ids[i, width - len(seq.tokens) :] = torch.tensor(seq.tokens)
+            attention[i, width - len(seq.tokens) :] = 1
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         for seq in batch:
             seq.routing = []  # a (re)prefill routes every position again, under current weights
@@ -313,7 +322,7 @@ class CpuEngine:
         chosen = routing.numpy()
         for i, seq in enumerate(batch):
             if seq is not None:
-                seq.routing.extend(chosen[i, steps - fed[i]:])
+                seq.routing.extend(chosen[i, steps - fed[i] :])
 
 
 def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:

@@ -31,8 +31,18 @@ log = logging.getLogger(__name__)
 #   --sleep-on-idle           otherwise the idle scheduler busy-polls a whole core.
 #   --max-total-tokens 65536  otherwise the KV pool is sized from free RAM (15 GB on a 24 GiB box
 #                             for the tiny model, 17 s of start-up); extra_args can raise it.
-SGLANG_CPU_FLAGS = ["--device", "cpu", "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-                    "--disable-cuda-graph", "--sleep-on-idle", "--max-total-tokens", "65536"]
+SGLANG_CPU_FLAGS = [
+    "--device",
+    "cpu",
+    "--attention-backend",
+    "torch_native",
+    "--sampling-backend",
+    "pytorch",
+    "--disable-cuda-graph",
+    "--sleep-on-idle",
+    "--max-total-tokens",
+    "65536",
+]
 PROGRESS_EVERY_S = 30.0
 # Log lines after which a server never becomes healthy although its process lives on (SGLang
 # 0.5.23 keeps running when uvicorn cannot bind its port).
@@ -67,8 +77,9 @@ class ServerProcess:
         this process dies; waits for /health, logging progress. On failure nothing is left running.
         stop() from another thread ends the wait (the server is stopped, EngineStartError raised)."""
         if self.check_port and not port_free(self.host, self.port):
-            raise EngineStartError(f"{self.name} ({self.url}) cannot start: port {self.port} is in use; "
-                                   f"log: {self.log_path}")
+            raise EngineStartError(
+                f"{self.name} ({self.url}) cannot start: port {self.port} is in use; log: {self.log_path}"
+            )
         env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.env}
         with self._lock:
             if self.closed:
@@ -76,12 +87,16 @@ class ServerProcess:
             self.stopping = False
             with open(self.log_path, "ab") as out:
                 log_start = out.tell()  # a restart appends: only this start's lines count
-                self.proc = subprocess.Popen(self.command, stdout=out, stderr=subprocess.STDOUT, env=env,
-                                             start_new_session=True)
+                self.proc = subprocess.Popen(
+                    self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                )
             self.watchdog = subprocess.Popen(
                 [sys.executable, "-m", "megatron_rlvr.rollout.watchdog", str(os.getpid()), str(self.proc.pid)],
-                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                start_new_session=True)
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         started = time.monotonic()
         next_report = started + PROGRESS_EVERY_S
         while True:
@@ -91,8 +106,10 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 code = self.proc.returncode
                 self.stop()
-                raise EngineStartError(f"{self.name} ({self.url}) exited with {code} before it was ready: "
-                                       f"{failure_reason(self.log_path)}; log: {self.log_path}")
+                raise EngineStartError(
+                    f"{self.name} ({self.url}) exited with {code} before it was ready: "
+                    f"{failure_reason(self.log_path)}; log: {self.log_path}"
+                )
             fatal = fatal_line(self.log_path, log_start)
             if fatal is not None:
                 self.stop()
@@ -105,12 +122,21 @@ class ServerProcess:
                 pass
             if waited > ready_timeout_s:
                 self.stop()
-                raise EngineStartError(f"{self.name} ({self.url}) not healthy after {ready_timeout_s:.0f} s "
-                                       f"(rollout.start_timeout_s); last log line: {last_line(self.log_path)}; "
-                                       f"log: {self.log_path}")
+                raise EngineStartError(
+                    f"{self.name} ({self.url}) not healthy after {ready_timeout_s:.0f} s "
+                    f"(rollout.start_timeout_s); last log line: {last_line(self.log_path)}; "
+                    f"log: {self.log_path}"
+                )
             if time.monotonic() >= next_report:
-                log.info("%s: waiting for %s/health, %.0f s of %.0f s; log: %s; last line: %s", self.name,
-                         self.url, waited, ready_timeout_s, self.log_path, last_line(self.log_path))
+                log.info(
+                    "%s: waiting for %s/health, %.0f s of %.0f s; log: %s; last line: %s",
+                    self.name,
+                    self.url,
+                    waited,
+                    ready_timeout_s,
+                    self.log_path,
+                    last_line(self.log_path),
+                )
                 next_report += PROGRESS_EVERY_S
             time.sleep(0.25)
 
@@ -224,26 +250,54 @@ def failure_reason(path: Path) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int,
-                       routed_experts: bool) -> list[str]:
-    cmd = [sys.executable, "-m", "megatron_rlvr.rollout.server", "--model-path", model_dir,
-           "--host", host, "--port", str(port), "--dtype", engine.dtype]
+def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int, routed_experts: bool) -> list[str]:
+    cmd = [
+        sys.executable,
+        "-m",
+        "megatron_rlvr.rollout.server",
+        "--model-path",
+        model_dir,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--dtype",
+        engine.dtype,
+    ]
     return cmd + (["--enable-return-routed-experts"] if routed_experts else [])
 
 
-def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int,
-                   routed_experts: bool) -> list[str]:
+def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int, routed_experts: bool) -> list[str]:
     """`python -m sglang.launch_server` with the run's layout. Requests and responses carry
     token ids only (the sampler tokenizes), so SGLang skips its tokenizer."""
     python = engine.python or sys.executable
     if engine.python is None and importlib.util.find_spec("sglang") is None:
-        raise EngineStartError("rollout.engine.type = sglang needs SGLang: bash scripts/setup.sh --gpu on a "
-                               "GPU machine, or set rollout.engine.python to an interpreter that has it")
-    cmd = [python, "-m", "sglang.launch_server", "--model-path", model_dir,
-           "--host", host, "--port", str(port), "--tp-size", str(engine.tp),
-           "--ep-size", str(engine.ep), "--mem-fraction-static", str(engine.mem_fraction_static),
-           "--dtype", engine.dtype, "--skip-tokenizer-init",
-           "--weight-version", "0"]  # SGLang starts at "default"; syncs count from 0
+        raise EngineStartError(
+            "rollout.engine.type = sglang needs SGLang: bash scripts/setup.sh --gpu on a "
+            "GPU machine, or set rollout.engine.python to an interpreter that has it"
+        )
+    cmd = [
+        python,
+        "-m",
+        "sglang.launch_server",
+        "--model-path",
+        model_dir,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        "--tp-size",
+        str(engine.tp),
+        "--ep-size",
+        str(engine.ep),
+        "--mem-fraction-static",
+        str(engine.mem_fraction_static),
+        "--dtype",
+        engine.dtype,
+        "--skip-tokenizer-init",
+        "--weight-version",
+        "0",
+    ]  # SGLang starts at "default"; syncs count from 0
     if engine.device == "cpu":
         cmd += SGLANG_CPU_FLAGS
     if routed_experts:
@@ -268,13 +322,21 @@ def cpu_binding(cores: list[int], ranks: int) -> str:
     if len(cores) < ranks:
         return "|".join(str(cores[r % len(cores)]) for r in range(ranks))
     per = len(cores) // ranks
-    chunks = [cores[r * per:(r + 1) * per] for r in range(ranks)]
+    chunks = [cores[r * per : (r + 1) * per] for r in range(ranks)]
     return "|".join(f"{c[0]}-{c[-1]}" if len(c) > 1 else str(c[0]) for c in chunks)
 
 
-def engine_process(model_dir: str, engine: CpuEngine | SglangEngine, *, host: str, port: int,
-                   routed_experts: bool, log_dir: str | Path, name: str = "engine",
-                   gpus: list[int] | None = None) -> ServerProcess:
+def engine_process(
+    model_dir: str,
+    engine: CpuEngine | SglangEngine,
+    *,
+    host: str,
+    port: int,
+    routed_experts: bool,
+    log_dir: str | Path,
+    name: str = "engine",
+    gpus: list[int] | None = None,
+) -> ServerProcess:
     """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)

@@ -49,10 +49,16 @@ class PromptItem:
 
 
 class RolloutManager:
-    def __init__(self, clients: list[EngineClient], sampling: p.SamplingParams, *,
-                 routing: RoutingShape | None = None, max_attempts: int = 3,
-                 restart: Callable[[int], Awaitable[str | None]] | None = None,
-                 serving_wait_s: float = 1800.0):
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        sampling: p.SamplingParams,
+        *,
+        routing: RoutingShape | None = None,
+        max_attempts: int = 3,
+        restart: Callable[[int], Awaitable[str | None]] | None = None,
+        serving_wait_s: float = 1800.0,
+    ):
         """restart(engine) brings a dead engine's server back and says how the old one ended
         (None: it was alive, only slow, and was left alone). max_attempts: failures a group
         may meet before it fails. serving_wait_s: how long a group waits for an engine to
@@ -83,13 +89,22 @@ class RolloutManager:
         """Engines taking work: not restarting, and not waiting for the run's weights."""
         return len(self.clients) - len(self._restarting | self.restarted)
 
-    def submit(self, item: PromptItem, n: int | None = None, *, sampling: p.SamplingParams | None = None,
-               to: asyncio.Queue | None = None) -> str:
+    def submit(
+        self,
+        item: PromptItem,
+        n: int | None = None,
+        *,
+        sampling: p.SamplingParams | None = None,
+        to: asyncio.Queue | None = None,
+    ) -> str:
         """Starts generating n samples of one prompt; the group arrives on `finished`, or on
         `to` (evaluation: its own sampling, its own queue)."""
         group_id = uuid.uuid4().hex
-        task = asyncio.create_task(self._run_group(item, group_id, n or (sampling or self.sampling).n,
-                                                   sampling or self.sampling, to or self.finished))
+        task = asyncio.create_task(
+            self._run_group(
+                item, group_id, n or (sampling or self.sampling).n, sampling or self.sampling, to or self.finished
+            )
+        )
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return group_id
@@ -114,8 +129,7 @@ class RolloutManager:
 
     async def abort_all(self) -> None:
         """Aborts every outstanding request; their groups arrive marked aborted."""
-        await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy),
-                             return_exceptions=True)
+        await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy), return_exceptions=True)
 
     def _serving(self) -> list[int]:
         return [i for i in range(len(self.clients)) if i not in self._restarting | self.restarted]
@@ -135,10 +149,13 @@ class RolloutManager:
             log.error("group %s: no engine served again within %.0f s", group_id, self.serving_wait_s)
         return engine
 
-    async def _run_group(self, item: PromptItem, group_id: str, n: int, sampling: p.SamplingParams,
-                         finished: asyncio.Queue) -> None:
+    async def _run_group(
+        self, item: PromptItem, group_id: str, n: int, sampling: p.SamplingParams, finished: asyncio.Queue
+    ) -> None:
         request = p.GenerateReqInput(
-            input_ids=item.input_ids, rid=group_id, return_logprob=True,
+            input_ids=item.input_ids,
+            rid=group_id,
+            return_logprob=True,
             sampling_params=sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
             return_routed_experts=self.routing is not None,
         )
@@ -179,31 +196,44 @@ class RolloutManager:
             self.stats["moved"] += 1
             log.warning("engine %d is down: group %s moves to engine %d (%s)", engine, group_id, other, err)
         else:
-            log.warning("engine %d is down and no other engine serves: group %s waits for it (%s)",
-                        engine, group_id, err)
+            log.warning(
+                "engine %d is down and no other engine serves: group %s waits for it (%s)", engine, group_id, err
+            )
         return other
 
-    def _group(self, item: PromptItem, group_id: str, responses: list[p.GenerateResponse],
-               engine: int) -> Group:
+    def _group(self, item: PromptItem, group_id: str, responses: list[p.GenerateResponse], engine: int) -> Group:
         samples = []
         for index, response in enumerate(responses):
             meta = response.meta_info
             routed = None
             if self.routing is not None:
                 if meta.routed_experts is None:
-                    raise RoutedExpertsError(f"sample {group_id}/{index}: the engine returned no "
-                                             "routed_experts (start it with --enable-return-routed-experts)")
-                routed = decode_routed_experts(meta.routed_experts, num_layers=self.routing.num_layers,
-                                               top_k=self.routing.top_k, num_experts=self.routing.num_experts,
-                                               sample=f"{group_id}/{index}")
-            samples.append(Sample(
-                prompt_id=item.prompt_id, group_id=group_id, index=index, prompt_ids=item.input_ids,
-                response_ids=response.output_ids,
-                rollout_logprobs=[float(row[0]) for row in meta.output_token_logprobs or []],
-                finish_reason=meta.finish_reason.type, weight_version=meta.weight_version,
-                weight_versions=meta.weight_versions or [], routed_experts=routed,
-                engine=self.clients[engine].base_url,
-            ))
+                    raise RoutedExpertsError(
+                        f"sample {group_id}/{index}: the engine returned no "
+                        "routed_experts (start it with --enable-return-routed-experts)"
+                    )
+                routed = decode_routed_experts(
+                    meta.routed_experts,
+                    num_layers=self.routing.num_layers,
+                    top_k=self.routing.top_k,
+                    num_experts=self.routing.num_experts,
+                    sample=f"{group_id}/{index}",
+                )
+            samples.append(
+                Sample(
+                    prompt_id=item.prompt_id,
+                    group_id=group_id,
+                    index=index,
+                    prompt_ids=item.input_ids,
+                    response_ids=response.output_ids,
+                    rollout_logprobs=[float(row[0]) for row in meta.output_token_logprobs or []],
+                    finish_reason=meta.finish_reason.type,
+                    weight_version=meta.weight_version,
+                    weight_versions=meta.weight_versions or [],
+                    routed_experts=routed,
+                    engine=self.clients[engine].base_url,
+                )
+            )
         aborted = any(s.finish_reason == "abort" for s in samples)
         return Group(item.prompt_id, group_id, samples, item.answer, aborted=aborted)
 
@@ -215,8 +245,11 @@ class RolloutManager:
         answers = await asyncio.gather(*(self.clients[i].health() for i in engines))
         dead = [i for i, alive in zip(engines, answers) if not alive]
         for engine in dead:
-            log.warning("engine %d (%s) does not answer /health before a weight sync: restarting it if its process died",
-                        engine, self.clients[engine].base_url)
+            log.warning(
+                "engine %d (%s) does not answer /health before a weight sync: restarting it if its process died",
+                engine,
+                self.clients[engine].base_url,
+            )
             self._schedule_restart(engine)
         return dead
 
@@ -230,8 +263,12 @@ class RolloutManager:
             try:
                 how = await restart_engine(engine)
                 if how is not None:
-                    log.warning("engine %d (%s) %s\nrestarted: it serves again once it holds the run's weights",
-                                engine, self.clients[engine].base_url, how)
+                    log.warning(
+                        "engine %d (%s) %s\nrestarted: it serves again once it holds the run's weights",
+                        engine,
+                        self.clients[engine].base_url,
+                        how,
+                    )
                     self.restarted.add(engine)
                     # a weight sync may have reached it before its restart was seen to finish
                     if self._current_version is not None and await self.readmit(self._current_version):

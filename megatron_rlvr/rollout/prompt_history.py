@@ -24,8 +24,9 @@ class PromptOutcome:
 
 
 class PromptHistory:
-    def __init__(self, *, enabled: bool, explore_solved: float, explore_unsolved: float,
-                 max_skip_probability: float, seed: int):
+    def __init__(
+        self, *, enabled: bool, explore_solved: float, explore_unsolved: float, max_skip_probability: float, seed: int
+    ):
         self.enabled = enabled
         self.explore = {SOLVED: explore_solved, UNSOLVED: explore_unsolved}
         self.max_skip_probability = max_skip_probability
@@ -67,8 +68,7 @@ class PromptHistory:
         return skipped
 
     def state(self) -> dict:
-        return {"rng": self._rng.getstate(),
-                "outcomes": {pid: (o.streak, o.kind) for pid, o in self.outcomes.items()}}
+        return {"rng": self._rng.getstate(), "outcomes": {pid: (o.streak, o.kind) for pid, o in self.outcomes.items()}}
 
     def load_state(self, state: dict) -> None:
         self._rng.setstate(state["rng"])

@@ -38,8 +38,7 @@ def encode_routed_experts(experts: np.ndarray) -> str:
     return base64.b64encode(np.ascontiguousarray(experts, dtype="<i4").tobytes()).decode("ascii")
 
 
-def decode_routed_experts(encoded: str, *, num_layers: int, top_k: int, num_experts: int,
-                          sample: str) -> np.ndarray:
+def decode_routed_experts(encoded: str, *, num_layers: int, top_k: int, num_experts: int, sample: str) -> np.ndarray:
     """SGLang's base64 int32 → compact [positions, num_layers, top_k], validated."""
     try:
         raw = base64.b64decode(encoded, validate=True)
@@ -62,8 +61,9 @@ def decode_routed_experts(encoded: str, *, num_layers: int, top_k: int, num_expe
     return ids.reshape(-1, num_layers, top_k).astype(compact_dtype(num_experts))
 
 
-def pack_routed_experts(per_sample: list[np.ndarray], seq_lens: list[int], width: int, *,
-                        num_layers: int, top_k: int, sample_ids: list[str]) -> torch.Tensor:
+def pack_routed_experts(
+    per_sample: list[np.ndarray], seq_lens: list[int], width: int, *, num_layers: int, top_k: int, sample_ids: list[str]
+) -> torch.Tensor:
     """Per-sample engine routing → one host tensor [B, width, num_layers, top_k] aligned with
     the learner's right-padded token positions. Each sample must cover exactly its
     seq_len − 1 positions; the last token and the padding (which never influence a counted

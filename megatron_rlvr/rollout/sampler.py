@@ -39,11 +39,23 @@ Score = Callable[[list[str], PromptRecord], Awaitable[list[float]]]  # responses
 
 
 class ActiveSampler:
-    def __init__(self, manager: RolloutManager, buffer, prompts: list[PromptRecord], *,
-                 encode: Callable[[PromptRecord], list[int]], decode: Callable[[list[int]], str],
-                 score: Score, seed: int = 0, seeded: bool = True, max_in_flight: int = 256,
-                 max_failed_in_a_row: int = 64, max_groups: int = 2**31, min_groups: int = 1,
-                 history: PromptHistory | None = None):
+    def __init__(
+        self,
+        manager: RolloutManager,
+        buffer,
+        prompts: list[PromptRecord],
+        *,
+        encode: Callable[[PromptRecord], list[int]],
+        decode: Callable[[list[int]], str],
+        score: Score,
+        seed: int = 0,
+        seeded: bool = True,
+        max_in_flight: int = 256,
+        max_failed_in_a_row: int = 64,
+        max_groups: int = 2**31,
+        min_groups: int = 1,
+        history: PromptHistory | None = None,
+    ):
         """buffer: a Buffer, or a proxy with the same async methods (the Ray actor).
         max_groups: groups one fill may generate; min_groups: the fewest useful groups a
         (short) batch may have. history: each prompt's recent outcomes, and which to skip."""
@@ -53,8 +65,9 @@ class ActiveSampler:
         self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
         self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
         self.max_groups, self.min_groups = max_groups, min_groups
-        self.history = history or PromptHistory(enabled=False, explore_solved=1.0, explore_unsolved=1.0,
-                                                max_skip_probability=0.0, seed=seed)
+        self.history = history or PromptHistory(
+            enabled=False, explore_solved=1.0, explore_unsolved=1.0, max_skip_probability=0.0, seed=seed
+        )
         self._rng = random.Random(seed)
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
@@ -94,8 +107,7 @@ class ActiveSampler:
         while len(self._pending) < target:
             record = self._next_prompt()
             seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
-            self._pending.append(self.manager.submit(
-                PromptItem(record.prompt_id, self.encode(record), seed=seed)))
+            self._pending.append(self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed)))
             self.submitted += 1
             self._generated += 1
 
@@ -113,8 +125,9 @@ class ActiveSampler:
             raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
         rewards: list[float] = []
         if group.samples and group.error is None:
-            rewards = await self.score([self.decode(s.response_ids) for s in group.samples],
-                                       self._by_id[group.prompt_id])
+            rewards = await self.score(
+                [self.decode(s.response_ids) for s in group.samples], self._by_id[group.prompt_id]
+            )
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
@@ -148,17 +161,22 @@ class ActiveSampler:
     def _nothing_to_learn(self, useful: int) -> str:
         counts = self.history.counts()
         found = "no useful group" if useful == 0 else f"only {useful} useful groups (a batch needs {self.min_groups})"
-        return (f"{found} among {self._generated} generated (buffer.max_generated_groups_per_step = "
-                f"{self.max_groups}): of {len(self.prompts)} prompts, {counts['always_solved']} were always "
-                f"solved and {counts['never_solved']} never solved the last time they were sampled, at this "
-                "rollout.temperature and rollout.n_samples_per_prompt; the policy has nothing left to learn "
-                "from this data")
+        return (
+            f"{found} among {self._generated} generated (buffer.max_generated_groups_per_step = "
+            f"{self.max_groups}): of {len(self.prompts)} prompts, {counts['always_solved']} were always "
+            f"solved and {counts['never_solved']} never solved the last time they were sampled, at this "
+            "rollout.temperature and rollout.n_samples_per_prompt; the policy has nothing left to learn "
+            "from this data"
+        )
 
     def step_stats(self) -> dict[str, int]:
         """Sampling figures for the step's metrics (skips since the last call)."""
-        return {"sampler/groups_generated": self._generated, "sampler/skipped_prompts": self.history.take_skipped(),
-                **{f"sampler/{k}": v for k, v in self.history.counts().items()},
-                "buffer/short_batches": self.short_batches}
+        return {
+            "sampler/groups_generated": self._generated,
+            "sampler/skipped_prompts": self.history.take_skipped(),
+            **{f"sampler/{k}": v for k, v in self.history.counts().items()},
+            "buffer/short_batches": self.short_batches,
+        }
 
     def take_rewards(self) -> tuple[list[float], int]:
         """Rewards and response tokens since the last call."""
@@ -168,9 +186,14 @@ class ActiveSampler:
     def state(self) -> dict:
         """What a resumed run needs to submit the same groups next. Exact between drained
         steps; groups in flight (async runs) are not part of it and get regenerated."""
-        return {"rng": self._rng.getstate(), "order": [r.prompt_id for r in self._order],
-                "recent": list(self._recent), "submitted": self.submitted,
-                "short_batches": self.short_batches, "history": self.history.state()}
+        return {
+            "rng": self._rng.getstate(),
+            "order": [r.prompt_id for r in self._order],
+            "recent": list(self._recent),
+            "submitted": self.submitted,
+            "short_batches": self.short_batches,
+            "history": self.history.state(),
+        }
 
     def load_state(self, state: dict) -> None:
         self._rng.setstate(state["rng"])

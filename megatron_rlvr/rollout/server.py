@@ -28,8 +28,7 @@ from megatron_rlvr.weight_sync.transport import open_group
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"success": False, "message": message, "error": {"message": message}},
-                        status_code=status)
+    return JSONResponse({"success": False, "message": message, "error": {"message": message}}, status_code=status)
 
 
 def _validation_message(err: ValidationError) -> str:
@@ -75,8 +74,9 @@ class WeightUpdates:
     def apply(self, names: list[str], tensors: list[torch.Tensor]) -> None:
         unknown = [n for n in names if n not in self.engine.weights]
         if unknown:
-            raise EngineError(f"unknown weight names (first: {unknown[0]!r}); weights are HF names "
-                              "with experts one by one")
+            raise EngineError(
+                f"unknown weight names (first: {unknown[0]!r}); weights are HF names with experts one by one"
+            )
         with self.engine.model_lock, torch.no_grad():
             for name, tensor in zip(names, tensors):
                 target = self.engine.weights[name]
@@ -104,9 +104,13 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
     @app.get("/model_info")
     @app.get("/get_model_info")
     async def model_info():
-        return {"model_path": engine.model_dir, "tokenizer_path": engine.model_dir,
-                "is_generation": True, "weight_version": engine.weight_version,
-                "architectures": list(getattr(engine.config, "architectures", []) or [])}
+        return {
+            "model_path": engine.model_dir,
+            "tokenizer_path": engine.model_dir,
+            "is_generation": True,
+            "weight_version": engine.weight_version,
+            "architectures": list(getattr(engine.config, "architectures", []) or []),
+        }
 
     @app.post("/generate")
     async def generate(request: Request):
@@ -119,8 +123,7 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
             raise EngineError(f"rid has {len(rids)} entries for {len(prompts)} prompts")
         groups = [engine.submit(ids, req.sampling_params, rid) for ids, rid in zip(prompts, rids)]
         finished = await asyncio.gather(*(asyncio.wrap_future(s.future) for g in groups for s in g))
-        out = [_response(s, req, engine, return_routed_experts).model_dump(exclude_none=True)
-               for s in finished]
+        out = [_response(s, req, engine, return_routed_experts).model_dump(exclude_none=True) for s in finished]
         return out if req.is_batch or req.sampling_params.n > 1 else out[0]
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
@@ -157,8 +160,15 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
         req = await _parse(request, p.InitWeightsUpdateGroupReqInput)
         if req.backend == "nccl" and not torch.cuda.is_available():
             raise EngineError("backend nccl needs CUDA; the CPU engine joins with backend gloo")
-        group = await asyncio.to_thread(open_group, req.master_address, req.master_port,
-                                        req.rank_offset, req.world_size, req.group_name, req.backend)
+        group = await asyncio.to_thread(
+            open_group,
+            req.master_address,
+            req.master_port,
+            req.rank_offset,
+            req.world_size,
+            req.group_name,
+            req.backend,
+        )
         updates.groups[req.group_name] = group
         return {"success": True, "message": f"joined {req.group_name} as rank {req.rank_offset}"}
 
@@ -182,8 +192,9 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
         if session is None:
             raise EngineError("no weight update session is open (call /begin_weight_update)")
         if session["failed"]:
-            raise EngineError(f"weight update failed ({session['failed']}); keeping weight version "
-                              f"{engine.weight_version}")
+            raise EngineError(
+                f"weight update failed ({session['failed']}); keeping weight version {engine.weight_version}"
+            )
         if session["version"] is not None:
             engine.weight_version = session["version"]
         return {"success": True, "message": f"weight version {engine.weight_version}"}
@@ -217,8 +228,7 @@ async def _receive_and_apply(req: p.UpdateWeightsFromDistributedReqInput, update
     engine = updates.engine
     group = updates.groups.get(req.group_name)
     if group is None:
-        raise EngineError(f"no weight update group named {req.group_name!r}: "
-                          "call /init_weights_update_group first")
+        raise EngineError(f"no weight update group named {req.group_name!r}: call /init_weights_update_group first")
     if req.abort_all_requests:
         engine.abort(abort_all=True)
     try:
@@ -245,20 +255,23 @@ def _prompts(req: p.GenerateReqInput, engine: CpuEngine) -> list[list[int]]:
     return [engine.tokenizer.encode(t) for t in texts]
 
 
-def _response(seq: Sequence, req: p.GenerateReqInput, engine: CpuEngine,
-              routed_enabled: bool) -> p.GenerateResponse:
+def _response(seq: Sequence, req: p.GenerateReqInput, engine: CpuEngine, routed_enabled: bool) -> p.GenerateResponse:
     text = engine.tokenizer.decode(seq.output_ids) if engine.tokenizer is not None else ""
     meta = p.MetaInfo(
-        id=seq.rid, finish_reason=seq.finish, prompt_tokens=len(seq.prompt_ids),
-        completion_tokens=len(seq.output_ids), weight_version=engine.weight_version,
-        weight_versions=_version_spans(seq.versions), e2e_latency=time.monotonic() - seq.started,
+        id=seq.rid,
+        finish_reason=seq.finish,
+        prompt_tokens=len(seq.prompt_ids),
+        completion_tokens=len(seq.output_ids),
+        weight_version=engine.weight_version,
+        weight_versions=_version_spans(seq.versions),
+        e2e_latency=time.monotonic() - seq.started,
     )
     if req.return_logprob:
         meta.output_token_logprobs = [[lp, tok, None] for lp, tok in zip(seq.logprobs, seq.output_ids)]
     if req.return_routed_experts and routed_enabled and seq.routing:
         import numpy as np
 
-        meta.routed_experts = encode_routed_experts(np.stack(seq.routing)[req.routed_experts_start_len:])
+        meta.routed_experts = encode_routed_experts(np.stack(seq.routing)[req.routed_experts_start_len :])
     return p.GenerateResponse(text=text, output_ids=seq.output_ids, meta_info=meta)
 
 
@@ -307,8 +320,9 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     _exit_with_parent()
-    engine = CpuEngine(args.model_path, dtype=args.dtype, max_batch=args.max_running_requests,
-                       weight_version=args.weight_version)
+    engine = CpuEngine(
+        args.model_path, dtype=args.dtype, max_batch=args.max_running_requests, weight_version=args.weight_version
+    )
     app = create_app(engine, return_routed_experts=args.enable_return_routed_experts)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

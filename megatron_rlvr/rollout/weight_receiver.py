@@ -11,8 +11,13 @@ from megatron_rlvr.weight_sync.buckets import bucket_checksum, bucket_layout, un
 from megatron_rlvr.weight_sync.transport import broadcast
 
 DTYPES = {
-    "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "float64": torch.float64, "int64": torch.int64, "int32": torch.int32, "uint8": torch.uint8,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "uint8": torch.uint8,
 }
 
 
@@ -23,8 +28,9 @@ def dtype_from_name(name: str) -> torch.dtype:
     return DTYPES[key]
 
 
-def receive_bucket(group, dtypes: list[torch.dtype], shapes: list[list[int]],
-                   checksum: str | None) -> list[torch.Tensor]:
+def receive_bucket(
+    group, dtypes: list[torch.dtype], shapes: list[list[int]], checksum: str | None
+) -> list[torch.Tensor]:
     """One broadcast of a flattened bucket from rank 0; returns views into it."""
     _, total = bucket_layout(dtypes, shapes)
     buffer = torch.empty(total, dtype=torch.uint8)

@@ -75,8 +75,9 @@ def pack(named: list[tuple[str, torch.Tensor]]) -> Bucket:
     return Bucket([n for n, _ in named], dtype, [list(t.shape) for _, t in named], buffer)
 
 
-def buckets(named: Iterable[tuple[str, torch.Tensor]], max_bytes: int,
-            device: torch.device | str = "cpu") -> Iterator[Bucket]:
+def buckets(
+    named: Iterable[tuple[str, torch.Tensor]], max_bytes: int, device: torch.device | str = "cpu"
+) -> Iterator[Bucket]:
     """Streams buckets as the (name, tensor) stream arrives: at most one open bucket per
     dtype, so memory stays bounded by the open buckets, not by the model. Buckets are packed
     on `device`, the update group's (CUDA for NCCL, the host for gloo)."""

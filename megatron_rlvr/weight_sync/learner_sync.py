@@ -15,8 +15,14 @@ from megatron_rlvr.weight_sync.syncer import WeightSyncer
 PROBE_TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]  # a fixed prompt, folded into the model's vocabulary
 
 
-def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
-                 loop: asyncio.AbstractEventLoop | None = None, probe_tokens: int = 8) -> dict:
+def sync_weights(
+    learner,
+    version: int,
+    *,
+    syncer: WeightSyncer | None = None,
+    loop: asyncio.AbstractEventLoop | None = None,
+    probe_tokens: int = 8,
+) -> dict:
     """Pushes the learner's weights to the engines as `version`, then runs the parity probe
     when weight_sync.parity_tolerance is set. Collective over the learner's ranks; the source
     rank passes its syncer and event loop. Returns metrics on the source rank."""
@@ -34,9 +40,11 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     prompt = [t % vocab for t in PROBE_TOKENS]
     if syncer is not None:
         assert loop is not None
-        responses = loop.run_until_complete(engine_samples(
-            syncer.member_clients, prompt, max_new_tokens=probe_tokens,
-            temperature=learner.cfg.rollout.temperature))
+        responses = loop.run_until_complete(
+            engine_samples(
+                syncer.member_clients, prompt, max_new_tokens=probe_tokens, temperature=learner.cfg.rollout.temperature
+            )
+        )
         box = [(responses, probe_batch(prompt, responses))]
     dist.broadcast_object_list(box, src=0)
     responses, batch = box[0]
@@ -44,11 +52,18 @@ def sync_weights(learner, version: int, *, syncer: WeightSyncer | None = None,
     if syncer is None:
         return {}
     gaps = check_parity(syncer.member_clients, prompt, responses, logprobs, tolerance)
-    return {**_report_metrics(report), "weight_sync/parity_max_gap": max(gaps.values()),
-            "weight_sync/parity_tolerance": tolerance}
+    return {
+        **_report_metrics(report),
+        "weight_sync/parity_max_gap": max(gaps.values()),
+        "weight_sync/parity_tolerance": tolerance,
+    }
 
 
 def _report_metrics(report) -> dict:
-    return {"weight_sync/seconds": report.seconds, "weight_sync/bytes": report.bytes,
-            "weight_sync/buckets": report.buckets, "weight_sync/version": report.version,
-            "weight_sync/engine_version": report.engine_version}
+    return {
+        "weight_sync/seconds": report.seconds,
+        "weight_sync/bytes": report.bytes,
+        "weight_sync/buckets": report.buckets,
+        "weight_sync/version": report.version,
+        "weight_sync/engine_version": report.engine_version,
+    }

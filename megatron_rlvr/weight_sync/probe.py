@@ -19,13 +19,17 @@ class ParityError(UserError):
     """An engine's logprobs disagree with the learner's after a sync."""
 
 
-async def engine_samples(clients: list[EngineClient], prompt_ids: list[int], *, max_new_tokens: int,
-                         temperature: float, seed: int = 0) -> list[p.GenerateResponse]:
+async def engine_samples(
+    clients: list[EngineClient], prompt_ids: list[int], *, max_new_tokens: int, temperature: float, seed: int = 0
+) -> list[p.GenerateResponse]:
     """One seeded sample per engine, with its logprobs."""
-    request = p.GenerateReqInput(input_ids=prompt_ids, return_logprob=True,
-                                 sampling_params=p.SamplingParams(max_new_tokens=max_new_tokens,
-                                                                  temperature=temperature,
-                                                                  sampling_seed=seed, ignore_eos=True))
+    request = p.GenerateReqInput(
+        input_ids=prompt_ids,
+        return_logprob=True,
+        sampling_params=p.SamplingParams(
+            max_new_tokens=max_new_tokens, temperature=temperature, sampling_seed=seed, ignore_eos=True
+        ),
+    )
     return [rows[0] for rows in await asyncio.gather(*(c.generate(request) for c in clients))]
 
 
@@ -41,8 +45,13 @@ def probe_batch(prompt_ids: list[int], responses: list[p.GenerateResponse]) -> T
     return TrainBatch(ids, mask)
 
 
-def check_parity(clients: list[EngineClient], prompt_ids: list[int], responses: list[p.GenerateResponse],
-                 learner_logprobs: torch.Tensor, tolerance: float) -> dict[str, float]:
+def check_parity(
+    clients: list[EngineClient],
+    prompt_ids: list[int],
+    responses: list[p.GenerateResponse],
+    learner_logprobs: torch.Tensor,
+    tolerance: float,
+) -> dict[str, float]:
     """Max |engine − learner| logprob per engine; ParityError above the tolerance."""
     gaps: dict[str, float] = {}
     start = len(prompt_ids)
@@ -53,6 +62,8 @@ def check_parity(clients: list[EngineClient], prompt_ids: list[int], responses: 
         gaps[client.base_url] = float((engine - row[start : start + len(engine)]).abs().max())
     worst = max(gaps, key=lambda url: gaps[url])
     if gaps[worst] > tolerance:
-        raise ParityError(f"engine {worst} disagrees with the learner after the weight sync: max "
-                          f"|Δlogprob| = {gaps[worst]:.3g} > weight_sync.parity_tolerance = {tolerance}")
+        raise ParityError(
+            f"engine {worst} disagrees with the learner after the weight sync: max "
+            f"|Δlogprob| = {gaps[worst]:.3g} > weight_sync.parity_tolerance = {tolerance}"
+        )
     return gaps

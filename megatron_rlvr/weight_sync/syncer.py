@@ -56,10 +56,17 @@ class SyncReport:
 
 
 class WeightSyncer:
-    def __init__(self, clients: list[EngineClient], cfg: WeightSyncConfig, *,
-                 master_address: str = "127.0.0.1", engine_ranks: list[int] | None = None,
-                 group_name: str = "weight_update_group", initial_version: int | None = None,
-                 checksums: bool | None = None):
+    def __init__(
+        self,
+        clients: list[EngineClient],
+        cfg: WeightSyncConfig,
+        *,
+        master_address: str = "127.0.0.1",
+        engine_ranks: list[int] | None = None,
+        group_name: str = "weight_update_group",
+        initial_version: int | None = None,
+        checksums: bool | None = None,
+    ):
         """engine_ranks: the ranks each engine brings to the update group (its tp size; see
         transport.engine_rank_count); None: one each. checksums: send per-bucket checksums (a
         CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum."""
@@ -88,35 +95,44 @@ class WeightSyncer:
         members = list(range(len(self.clients))) if members is None else members
         layout = group_layout([self.engine_ranks[i] for i in members])
         port = free_port(self.master_address)
-        opening = asyncio.to_thread(open_group, self.master_address, port, 0, layout.world_size,
-                                    self.group_name, self.backend)
-        joins = [self.clients[i].init_weights_update_group(p.InitWeightsUpdateGroupReqInput(
-                     master_address=self.master_address, master_port=port, rank_offset=offset,
-                     world_size=layout.world_size, group_name=self.group_name, backend=self.backend))
-                 for i, offset in zip(members, layout.offsets)]
+        opening = asyncio.to_thread(
+            open_group, self.master_address, port, 0, layout.world_size, self.group_name, self.backend
+        )
+        joins = [
+            self.clients[i].init_weights_update_group(
+                p.InitWeightsUpdateGroupReqInput(
+                    master_address=self.master_address,
+                    master_port=port,
+                    rank_offset=offset,
+                    world_size=layout.world_size,
+                    group_name=self.group_name,
+                    backend=self.backend,
+                )
+            )
+            for i, offset in zip(members, layout.offsets)
+        ]
         self.group, *_ = await asyncio.gather(opening, *joins)
         self.members = members
         if self.version is None:  # adopt the engines' version; they must agree
             versions = set(await self.engine_versions())
             if len(versions) != 1 or not next(iter(versions)).lstrip("-").isdigit():
-                raise WeightSyncError(f"engines report weight versions {sorted(versions)}: "
-                                      "they must start from one numeric version")
+                raise WeightSyncError(
+                    f"engines report weight versions {sorted(versions)}: they must start from one numeric version"
+                )
             self.version = int(versions.pop())
         if self.initial_version is None:
             self.initial_version = self.version
 
     async def engine_versions(self) -> list[str]:
         """The weight version each member of the group holds."""
-        return [info["weight_version"] for info in
-                await asyncio.gather(*(c.model_info() for c in self.member_clients))]
+        return [info["weight_version"] for info in await asyncio.gather(*(c.model_info() for c in self.member_clients))]
 
     async def _survey(self, wait_s: float) -> dict[int, str]:
         """The weight version of every engine that answers; with none answering (all
         restarting, or a loaded machine), waits up to wait_s."""
         deadline = time.monotonic() + wait_s
         while True:
-            infos = await asyncio.gather(*(c.model_info(retries=0) for c in self.clients),
-                                         return_exceptions=True)
+            infos = await asyncio.gather(*(c.model_info(retries=0) for c in self.clients), return_exceptions=True)
             held = {i: info["weight_version"] for i, info in enumerate(infos) if isinstance(info, dict)}
             if held or time.monotonic() > deadline:
                 return held
@@ -129,24 +145,34 @@ class WeightSyncer:
         model, which every sync sends, so it simply joins again."""
         held = await self._survey(wait_s)
         if not held:
-            raise WeightSyncError("no engine is alive to receive weights: "
-                                  + ", ".join(c.base_url for c in self.clients))
+            raise WeightSyncError(
+                "no engine is alive to receive weights: " + ", ".join(c.base_url for c in self.clients)
+            )
         live = sorted(held)
-        restarted = [] if self.version == self.initial_version else [
-            i for i in live if i in self.members and held[i] == str(self.initial_version)]
+        restarted = (
+            []
+            if self.version == self.initial_version
+            else [i for i in live if i in self.members and held[i] == str(self.initial_version)]
+        )
         if live == self.members and not restarted:
             return [], held
         lost = [self.clients[i].base_url for i in self.members if i not in live]
         joined = [i for i in live if i not in self.members or i in restarted]
-        log.warning("weight update group re-formed: lost %s, joined %s", lost or "none",
-                    [self.clients[i].base_url for i in joined] or "none")
-        await asyncio.gather(*(self.clients[i].destroy_weights_update_group(self.group_name)
-                               for i in self.members if i in live), return_exceptions=True)
+        log.warning(
+            "weight update group re-formed: lost %s, joined %s",
+            lost or "none",
+            [self.clients[i].base_url for i in joined] or "none",
+        )
+        await asyncio.gather(
+            *(self.clients[i].destroy_weights_update_group(self.group_name) for i in self.members if i in live),
+            return_exceptions=True,
+        )
         await self.connect(live)
         return joined, held
 
-    async def _check_versions(self, expected: int | None, when: str, skip: tuple[int, ...] = (),
-                              held: dict[int, str] | None = None) -> None:
+    async def _check_versions(
+        self, expected: int | None, when: str, skip: tuple[int, ...] = (), held: dict[int, str] | None = None
+    ) -> None:
         """held: versions already read (index → version); otherwise they are asked for."""
         if expected is None:
             return
@@ -208,9 +234,13 @@ class WeightSyncer:
         """Announces the bucket to every engine, then broadcasts it. The flush is left to the
         end of the sync (one flush, once every bucket is in)."""
         request = p.UpdateWeightsFromDistributedReqInput(
-            names=bucket.names, dtypes=[bucket.dtype_name] * len(bucket.names),
-            shapes=bucket.shapes, group_name=self.group_name, weight_version=str(version),
-            load_format="flattened_bucket", flush_cache=False,
+            names=bucket.names,
+            dtypes=[bucket.dtype_name] * len(bucket.names),
+            shapes=bucket.shapes,
+            group_name=self.group_name,
+            weight_version=str(version),
+            load_format="flattened_bucket",
+            flush_cache=False,
             checksum=bucket.checksum() if self.checksums else None,
         )
         clients = self.member_clients
@@ -223,16 +253,17 @@ class WeightSyncer:
                 for task in announced:
                     task.cancel()
                 client, err = refused[0]
-                raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was "
-                                      f"posted: {err}")
+                raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was posted: {err}")
         sending = asyncio.create_task(asyncio.to_thread(broadcast, self.group, bucket.buffer))
         await asyncio.wait([sending, *announced], return_when=asyncio.FIRST_EXCEPTION)
         if not sending.done():  # an engine failed while the broadcast waits: nobody will match it
             abort_group(self.group)
             self.group = None
             client, err = next((c, t.exception()) for c, t in zip(clients, announced) if t.done() and t.exception())
-            raise WeightSyncError(f"engine {client.base_url} rejected {what} after its broadcast was posted "
-                                  f"(update group torn down): {err}")
+            raise WeightSyncError(
+                f"engine {client.base_url} rejected {what} after its broadcast was posted "
+                f"(update group torn down): {err}"
+            )
         if sending.exception() is not None:
             for task in announced:
                 task.cancel()
@@ -249,8 +280,9 @@ class WeightSyncer:
         for a broadcast may not answer."""
         for step in (lambda c: c.end_weight_update(), lambda c: c.resume()):
             try:
-                await asyncio.wait_for(asyncio.gather(*(step(c) for c in self.member_clients),
-                                                      return_exceptions=True), timeout_s)
+                await asyncio.wait_for(
+                    asyncio.gather(*(step(c) for c in self.member_clients), return_exceptions=True), timeout_s
+                )
             except TimeoutError:
                 log.warning("engines did not answer within %.0f s after a failed sync", timeout_s)
 
@@ -261,6 +293,7 @@ class WeightSyncer:
                 raise WeightSyncError(f"engine {client.base_url}: {what} failed: {result}")
 
     async def close(self) -> None:
-        await asyncio.gather(*(c.destroy_weights_update_group(self.group_name) for c in self.member_clients),
-                             return_exceptions=True)
+        await asyncio.gather(
+            *(c.destroy_weights_update_group(self.group_name) for c in self.member_clients), return_exceptions=True
+        )
         self.group = None

@@ -47,8 +47,15 @@ def bucket_device(backend: str) -> torch.device:
     return torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
 
 
-def open_group(master_address: str, master_port: int, rank: int, world_size: int,
-               group_name: str, backend: str, timeout_s: float = 300.0):
+def open_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout_s: float = 300.0,
+):
     """A process group of its own (not the default world), joined through a prefixed TCP
     store exactly as SGLang joins it: SGLang wraps the store in PrefixStore(group_name) and
     hands it to torch's group helper, which nests PrefixStore(group_name + "/") and then a
@@ -57,11 +64,11 @@ def open_group(master_address: str, master_port: int, rank: int, world_size: int
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend {backend!r}: expected gloo or nccl")
     timeout = datetime.timedelta(seconds=timeout_s)
-    store = dist.TCPStore(master_address, master_port, world_size, is_master=rank == 0,
-                          timeout=timeout, wait_for_workers=False)
+    store = dist.TCPStore(
+        master_address, master_port, world_size, is_master=rank == 0, timeout=timeout, wait_for_workers=False
+    )
     device = "cpu" if backend == "gloo" else "cuda"
-    prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/",
-                                                               dist.PrefixStore(group_name, store)))
+    prefixed = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "gloo":
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     return dist.ProcessGroupNCCL(prefixed, rank, world_size)  # type: ignore[call-arg]  # options: its stub omits the default

@@ -25,8 +25,7 @@ import sys
 _TARGET = "sglang.srt.mem_cache.pool_host.common"
 
 
-def _alloc_plain_cpu(dims, dtype, device, pin_memory, allocator=None,
-                     registration_granularity_bytes=None):
+def _alloc_plain_cpu(dims, dtype, device, pin_memory, allocator=None, registration_granularity_bytes=None):
     """alloc_with_host_register without the cudaHostRegister: plain (pageable) memory."""
     del pin_memory, registration_granularity_bytes
     if allocator is not None:

@@ -44,7 +44,8 @@ def _not_implemented(name: str):
         raise NotImplementedError(
             f"sgl_kernel.{name}: not available in the pure-torch sgl_kernel stand-in "
             "(tests/sglang_cpu/standins/sgl_kernel); sglang-kernel's CPU build is not on PyPI. "
-            "The CPU SGLang test server supports plain decoding of standard-attention models only.")
+            "The CPU SGLang test server supports plain decoding of standard-attention models only."
+        )
 
     op.__name__ = op.__qualname__ = name
     return op
@@ -80,9 +81,11 @@ def assign_req_to_token_pool_cpu(
         return
     rows = torch.repeat_interleave(req_pool_indices.to(torch.int64).reshape(-1), lengths)
     seg_begin = torch.cumsum(lengths, 0) - lengths  # where each request starts in out_cache_loc
-    cols = (torch.arange(total, dtype=torch.int64)
-            - torch.repeat_interleave(seg_begin, lengths)
-            + torch.repeat_interleave(start, lengths))
+    cols = (
+        torch.arange(total, dtype=torch.int64)
+        - torch.repeat_interleave(seg_begin, lengths)
+        + torch.repeat_interleave(start, lengths)
+    )
     req_to_token[rows, cols] = out_cache_loc.reshape(-1)[:total].to(req_to_token.dtype)
 
 

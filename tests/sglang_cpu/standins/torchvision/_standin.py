@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import enum
 
-_WHY = ("is not available: torchvision here is an import-only stand-in "
-        "(tests/sglang_cpu/standins/torchvision) because the PyPI torchvision wheel is a CUDA build; "
-        "the CPU SGLang test server serves text models only")
+_WHY = (
+    "is not available: torchvision here is an import-only stand-in "
+    "(tests/sglang_cpu/standins/torchvision) because the PyPI torchvision wheel is a CUDA build; "
+    "the CPU SGLang test server serves text models only"
+)
 
 
 class _Missing:
