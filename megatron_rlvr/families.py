@@ -63,6 +63,20 @@ def _glm4_moe_config(hf) -> None:
         hf.partial_rotary_factor = rope["partial_rotary_factor"]
 
 
+def _deepseek_v3_config(hf) -> None:
+    """Refuses group limits Megatron would apply differently: it ranks a group by the sum of its
+    top k/topk_group scores, HF and SGLang by their top 2, so the learner would route otherwise
+    than the checkpoint's code and the engines."""
+    groups = getattr(hf, "n_group", None) or 1
+    if groups > 1 and hf.num_experts_per_tok != 2 * hf.topk_group:
+        raise UnsupportedArchitecture(
+            f"n_group {groups} with num_experts_per_tok {hf.num_experts_per_tok} and topk_group "
+            f"{hf.topk_group}: Megatron-Core ranks expert groups by their top "
+            f"{hf.num_experts_per_tok // hf.topk_group} scores, HF and SGLang by their top 2 "
+            "(supported: num_experts_per_tok = 2 · topk_group, as in DeepSeek-V3, or n_group 1)"
+        )
+
+
 def _deepseek_v3_settings(hf) -> dict:
     groups = getattr(hf, "n_group", None) or 1
     settings = {
@@ -117,6 +131,7 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family(
         bridge_class="mbridge.models.deepseek_v3:DeepseekV3Bridge",
         settings=_deepseek_v3_settings,
+        fix_config=_deepseek_v3_config,
         drop_config_keys=("max_position_embeddings",),  # the MLA config no longer takes it
         expert_bias=True,
     ),

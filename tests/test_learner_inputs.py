@@ -28,6 +28,21 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path):
         read_hf_config(tmp_path)
 
 
+def test_a_group_limit_megatron_would_rank_otherwise_than_hf_is_refused(tmp_path):
+    """DeepSeek-V3 (8 experts per token, 4 of 8 groups) ranks groups by their top 2 both in HF and
+    in Megatron; a config where k / topk_group != 2 would route differently in the learner."""
+    from transformers import DeepseekV3Config
+
+    shape = dict(hidden_size=64, num_attention_heads=4, n_routed_experts=16, n_group=4, q_lora_rank=32)
+    DeepseekV3Config(**shape, num_experts_per_tok=6, topk_group=2).save_pretrained(tmp_path / "bad")
+    with pytest.raises(
+        UnsupportedArchitecture, match=r"n_group 4 with num_experts_per_tok 6 and topk_group 2: .*top 3"
+    ):
+        read_hf_config(tmp_path / "bad")
+    DeepseekV3Config(**shape, num_experts_per_tok=4, topk_group=2).save_pretrained(tmp_path / "good")
+    assert read_hf_config(tmp_path / "good").n_group == 4
+
+
 def test_world_size_must_match_the_layout_before_any_group_starts():
     cfg = load_config(None, ["parallel.tp=2"])
     with pytest.raises(ValueError, match=r"world size 3 != parallel.tp · pp · dp = 2·1·1 = 2"):
