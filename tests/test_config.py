@@ -198,3 +198,14 @@ def test_a_dotted_type_override_switches_the_section_s_kind():
     assert (plain.data.prompt_key, plain.data.answer_key) == ("prompt", "solution.final")
     engine = load_config(TINY, ["rollout.engine.type=cpu", "rollout.engine.dtype=bfloat16"])
     assert engine.rollout.engine.dtype == "bfloat16"  # the same kind keeps its fields
+
+
+def test_experts_replicated_over_part_of_the_tensor_parallel_group_are_refused():
+    """tp 2 with etp 1 and ep 1 trains experts on partial gradients (logprobs after one step 0.2
+    from world 1's); etp = tp, or ep covering the TP ranks, train as world 1 does."""
+    with pytest.raises(
+        ConfigError, match=r"parallel.ep = 1, parallel.etp = 1: with parallel.tp = 2, ep · etp must be >= tp"
+    ):
+        load_config(None, ["parallel.tp=2", "parallel.etp=1"])
+    assert load_config(None, ["parallel.tp=2", "parallel.ep=2", "parallel.etp=1"]).parallel.etp == 1
+    assert load_config(None, ["parallel.tp=2"]).parallel.etp == 2

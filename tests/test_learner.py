@@ -15,7 +15,7 @@ LAYOUTS = {
 
 # gpt-oss: sinks, sliding window, YaRN, biases everywhere. Megatron takes MoE biases only at
 # expert TP 1, and TP 2 with EP 1 and expert TP 1 leaves each rank's expert gradients partial
-# (found here, for Qwen3-MoE as well): gpt-oss's TP layout is the one with EP 2
+# (the config refuses it; see test_config): gpt-oss's TP layout is the one with EP 2
 MODELS = {"qwen3_moe": [], "gpt_oss": ["parallel.etp=1"]}
 
 
@@ -42,7 +42,7 @@ def test_world1_matches_hf_and_exports_bitwise(world1):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
 def test_two_process_layout_equals_world1(layout, world1, model, tmp_path):
     if model[1] and layout == "tp2-sp":
-        pytest.skip("expert biases need expert TP 1; TP 2 runs with EP 2 (tp2-ep2-etp1)")
+        pytest.skip("expert biases need expert TP 1, which TP 2 takes only with EP 2 (tp2-ep2-etp1)")
     results = run_ranks(2, ["parity", model[0], *LAYOUTS[layout], *model[1]], tmp_path)
     for rank, r in enumerate(results):
         assert r["logprob_max_diff_vs_hf"] <= 1e-5, (rank, r["logprob_max_diff_vs_hf"])

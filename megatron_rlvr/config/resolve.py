@@ -132,6 +132,14 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: ep · etp must divide tp · dp "
             f"= {expert_dp_world} (the ranks of one pipeline stage)"
         )
+    elif p.ep * p.etp < p.tp:
+        # experts replicated over part of the tensor-parallel group: each TP rank's expert
+        # gradients stay partial (measured at tp 2, etp 1, ep 1: logprobs after one step 0.2 from
+        # world 1's; tp 2 with etp 2, or with ep 2 and etp 1, agree to 1e-5)
+        problems.append(
+            f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: with parallel.tp = {p.tp}, ep · etp must be "
+            f">= tp (Megatron-Core leaves expert gradients partial otherwise); use etp = tp or ep >= {p.tp}"
+        )
     problems += _engine_problems(cfg)
     if a.routing_replay == "r3" and r.return_routed_experts is False:
         problems.append(
