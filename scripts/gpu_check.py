@@ -3,8 +3,8 @@
 Steps, in order; the first that fails stops the check, named, with a non-zero exit:
   setup        bash scripts/setup.sh --gpu (torch 2.14.1/CUDA 13, SGLang 0.5.23, TE 2.20.2, Megatron-Core)
   inventory    versions of torch, CUDA, NCCL, megatron.core, transformer_engine, sglang; the GPU
-  learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "hf or logprob"
-  replay       routing replay R2/R3 on CUDA                                  pytest -m gpu -k replay
+  learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "(hf or logprob) and not replay"
+  replay       routing replay R2/R3 on CUDA (tests/test_routing_replay.py)   pytest -m gpu -k replay
   checkpoint   a checkpoint made on CPU loaded on GPU                       pytest -m gpu -k checkpoint
   sglang-gpu   real SGLang on the GPU (tp 1): engine API, weight sync, R3, repeated prompt across a sync
   learner-gpu  every other `gpu` test
@@ -95,7 +95,7 @@ def plan(out: Path) -> list[Step]:
             "learner-hf",
             "world-1 learner on CUDA vs HF logprobs (bf16, TE spec)",
             "-k",
-            "hf or logprob",
+            "(hf or logprob) and not replay",  # R3 against HF's logprobs runs in step "replay"
             "--ignore",
             SGLANG_GPU_TESTS,
         ),

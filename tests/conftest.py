@@ -5,6 +5,19 @@ from megatron_rlvr.config import TinyModel
 VOCAB = 96  # divisible by every tensor-parallel size the tests use
 
 
+def pytest_collection_modifyitems(config, items):
+    """`gpu` tests (opt-in: -m gpu) skip, saying why, where torch sees no CUDA device. On a GPU
+    machine whose torch cannot use it, scripts/gpu_check.py stops at its inventory step first."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device; torch sees none")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_hf_dir(tmp_path_factory):
     """A random tiny Qwen3-MoE (2 layers, 4 experts, top-2) saved as an HF checkpoint."""

@@ -217,7 +217,7 @@ class UsedRouting:
             return
         used = output[1].float().topk(router.topk, dim=-1).indices.sort(-1).values
         self.checked += used.shape[0]
-        self.mismatched += int((used != target.long().sort(-1).values).any(-1).sum())
+        self.mismatched += int((used != target.to(used.device).long().sort(-1).values).any(-1).sum())
 
 
 def hf_routing(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
@@ -258,7 +258,8 @@ def perturb_routers(learner: Learner, scale: float) -> None:
     with torch.no_grad():
         for layer, router in learner.replay.routers:
             gen = torch.Generator().manual_seed(7 + layer)
-            router.weight.add_(scale * torch.randn(router.weight.shape, generator=gen))
+            noise = torch.randn(router.weight.shape, generator=gen)  # on the CPU, for every device
+            router.weight.add_(scale * noise.to(router.weight.device))
 
 
 def router_weights(learner: Learner) -> list[torch.Tensor]:
