@@ -127,15 +127,22 @@ def save_as_if_on_gpu() -> None:
 
 def te_key(name: str, module, bridge) -> str:
     """The checkpoint key a transformer-engine-spec model gives a parameter, from mbridge's
-    TE parameter names (what its HF mapping is written against) and Megatron's own rules:
-    layers stacked on one axis, grouped-GEMM experts under SequentialMLP's key."""
+    TE parameter names (what its HF mapping is written against) and Megatron's own rules: a
+    dense layer's pre-MLP norm fused into linear_fc1 (an MoE layer's kept apart), layers
+    stacked on one axis unless some are dense and some MoE (then keyed by their number),
+    grouped-GEMM experts under SequentialMLP's key."""
     import re
 
     from megatron_rlvr.learner.model import canonical_name
 
     te_name = canonical_name(name, module, bridge)
+    layer = re.match(r"decoder\.layers\.\d+\.", name)
+    if layer and ".pre_mlp_layernorm." in name and f"{layer.group(0)}mlp.router.weight" not in module.state_dict():
+        te_name = te_name.replace(".pre_mlp_layernorm.", ".mlp.linear_fc1.layer_norm_")
     assert bridge._weight_name_mapping_mcore_to_hf(te_name), te_name  # a name mbridge knows
-    key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", te_name)
+    key = te_name
+    if not isinstance(bridge.config.moe_layer_freq, list):
+        key = re.sub(r"^decoder\.layers\.\d+\.", "decoder.layers.", te_name)
     return re.sub(r"mlp\.experts\.(linear_fc[12])\.weight\d+$", r"mlp.experts.experts.\1.weight", key)
 
 
@@ -161,13 +168,13 @@ def checkpoint_specs(learner: Learner, out: str) -> dict:
         if name.endswith("._extra_state"):
             continue
         value.key = te_key(name, module, bridge)
-        if ".pre_mlp_layernorm." in name:  # TENorm's FP8 metadata, which a local model lacks
-            layer = int(name.split(".")[2])
+        if value.key.endswith("layernorm.weight"):  # a TENorm's FP8 metadata, which a local model lacks
+            stacked = value.key.startswith("decoder.layers.") and not value.key.split(".")[2].isdigit()
             te_state[name.replace(".weight", "._extra_state")] = ShardedObject(
                 value.key.replace(".weight", "._extra_state"),
                 None,
-                (learner.bridge.config.num_layers,),
-                (layer,),
+                (learner.bridge.config.num_layers,) if stacked else (1,),
+                (int(name.split(".")[2]),) if stacked else (0,),
                 replica_id=0,
             )
     import os

@@ -205,17 +205,28 @@ def test_expert_bias_moves_only_when_asked(family_dir, tmp_path):
     assert r["expert_bias_moved"]
 
 
-def test_model_checkpoints_carry_the_transformer_engine_specs_keys_both_ways(tiny_hf_dir, tmp_path):
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_model_checkpoints_carry_the_transformer_engine_specs_keys_both_ways(family, tiny_hf_dir, family_dir, tmp_path):
     # The GPU learner builds Megatron's transformer-engine spec, the CPU learner its local
-    # spec; an MoE layer's pre-MLP norm is keyed differently by the two. Checkpoints use the
-    # TE spec's keys (mbridge's TE names, stacked as Megatron stacks them), and a CPU model
-    # loads both a TE-keyed checkpoint (with TE-only extra state) and one in the old keys.
+    # spec; they key some norms differently: an MoE layer's pre-MLP norm, and under MLA
+    # (DeepSeek-V3, one dense layer first) the dense layer's pre-MLP norm and the q and kv
+    # norms, which TE fuses into the next linear. Checkpoints use the TE spec's keys
+    # (mbridge's TE names, stacked as Megatron stacks them), and a CPU model loads both a
+    # TE-keyed checkpoint (with TE-only extra state) and one in the old keys.
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    r = run_ranks(1, ["ckpt-specs", str(tiny_hf_dir), str(ckpt)], tmp_path)[0]
+    hf_dir = tiny_hf_dir if family == "qwen3_moe" else family_dir(family)
+    r = run_ranks(1, ["ckpt-specs", str(hf_dir), str(ckpt)], tmp_path)[0]
     assert r["written"] == r["expected"]
-    assert "decoder.layers.pre_mlp_layernorm.weight" in r["written"]
-    assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in r["written"]
+    if family == "qwen3_moe":
+        assert "decoder.layers.pre_mlp_layernorm.weight" in r["written"]
+        assert "decoder.layers.self_attention.linear_qkv.layer_norm_weight" in r["written"]
+    else:  # layer 0 dense, 1 and 2 MoE: keyed per layer
+        assert "decoder.layers.0.mlp.linear_fc1.layer_norm_weight" in r["written"]
+        assert "decoder.layers.1.pre_mlp_layernorm.weight" in r["written"]
+        assert "decoder.layers.0.self_attention.linear_q_up_proj.layer_norm_weight" in r["written"]
+        assert "decoder.layers.2.self_attention.linear_kv_up_proj.layer_norm_weight" in r["written"]
+        assert not any("pre_mlp_layernorm" in key for key in r["written"] if key.startswith("decoder.layers.0."))
     assert r["loaded"] == {"te": True, "legacy": True}
 
 

@@ -145,29 +145,53 @@ def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -
 
 
 # ----------------------------------------------------------------------------- spec-independent keys
-_LOCAL_MOE_NORM = "mlp.linear_fc1.layer_norm_"  # where the local spec files an MoE layer's norm
-_TE_MOE_NORM = "pre_mlp_layernorm."  # where the transformer-engine spec keeps it
+# (local spec's key fragment, transformer-engine spec's) for the norms TE fuses into the
+# linear layer that follows them (TELayerNormColumnParallelLinear's layer_norm_weight)
+_DENSE_NORM = ("pre_mlp_layernorm.", "mlp.linear_fc1.layer_norm_")
+_MLA_NORMS = (
+    ("self_attention.q_layernorm.", "self_attention.linear_q_up_proj.layer_norm_"),
+    ("self_attention.kv_layernorm.", "self_attention.linear_kv_up_proj.layer_norm_"),
+)
 
 
 def model_state(module: ModelChunk) -> dict:
     """The model's sharded state dict under the transformer-engine spec's checkpoint keys,
     whichever spec built it, so that a checkpoint (or conversion) made on CPU (local spec)
-    loads on GPU (TE spec) and back. Megatron-Core 0.16.1's local spec maps every layer's
-    `pre_mlp_layernorm.` to `mlp.linear_fc1.layer_norm_`, which is the TE key of a dense
-    layer (TE fuses that norm into linear_fc1) but not of an MoE layer, whose TE spec keeps a
-    separate `pre_mlp_layernorm`. The fused input norm and the experts already agree."""
+    loads on GPU (TE spec) and back. Megatron-Core 0.16.1's TE spec fuses a dense layer's
+    pre-MLP norm into `mlp.linear_fc1` but keeps an MoE layer's apart as `pre_mlp_layernorm`;
+    its MLA spec fuses the q and kv norms (qk_layernorm) into `linear_q_up_proj` and
+    `linear_kv_up_proj`. The local spec keys the pre-MLP norm of every layer as
+    `mlp.linear_fc1.layer_norm_` (standard attention) or `pre_mlp_layernorm.` (MLA) and keeps
+    the MLA norms apart. The input norm (fused into linear_qkv, or apart under MLA) and the
+    experts already agree."""
     state = module.sharded_state_dict()
     for name, value in state.items():
-        layer, found, _ = name.partition(_TE_MOE_NORM)
-        if found and f"{layer}mlp.router.weight" in state and _LOCAL_MOE_NORM in value.key:
-            value.key = value.key.replace(_LOCAL_MOE_NORM, _TE_MOE_NORM)
+        layer, found, _ = name.partition(_DENSE_NORM[0])
+        if found:
+            te = _DENSE_NORM[0] if f"{layer}mlp.router.weight" in state else _DENSE_NORM[1]
+            value.key = value.key.replace(_DENSE_NORM[1], _DENSE_NORM[0]).replace(_DENSE_NORM[0], te)
+        for local, te in _MLA_NORMS:  # q_layernorm is standard attention's qk norm too
+            layer, found, _ = name.partition(local)
+            if found and f"{layer}{te.replace('layer_norm_', 'weight')}" in state:
+                value.key = value.key.replace(local, te)
     return state
+
+
+def _local_key(key: str) -> str | None:
+    """The key a checkpoint written before keys were made spec-independent (local spec's
+    keys) may hold a TE-keyed norm under, None for a tensor whose key never differed."""
+    for local, te in (*_MLA_NORMS, _DENSE_NORM):
+        if te in key:
+            return key.replace(te, local)
+    if _DENSE_NORM[0] in key:  # an MoE layer's norm, which the standard local spec remapped
+        return key.replace(_DENSE_NORM[0], _DENSE_NORM[1])
+    return None
 
 
 def fit_to_checkpoint(module: ModelChunk, state: dict, path: str | Path) -> dict:
     """Fits a model state (from model_state) to what the checkpoint at `path` holds, in place:
-    an MoE norm the checkpoint keeps under the local spec's key (checkpoints written before
-    keys were made spec-independent) is read from there; `_extra_state` objects it lacks
+    a norm the checkpoint keeps under the local spec's key (checkpoints written before keys
+    were made spec-independent) is read from there; `_extra_state` objects it lacks
     (transformer-engine's FP8 metadata, absent from a local-spec checkpoint) are not requested.
     Returns those entries with their current value, for load_state_dict."""
     from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
@@ -178,7 +202,7 @@ def fit_to_checkpoint(module: ModelChunk, state: dict, path: str | Path) -> dict
     for name, value in list(state.items()):
         if not isinstance(value, (ShardedTensor, ShardedObject)) or value.key in held:
             continue
-        legacy = value.key.replace(_TE_MOE_NORM, _LOCAL_MOE_NORM)
+        legacy = _local_key(value.key)
         if isinstance(value, ShardedTensor) and legacy in held:
             value.key = legacy
         elif isinstance(value, ShardedObject) and name.endswith("._extra_state"):
