@@ -165,6 +165,51 @@ def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines,
     assert row.status_code == 200  # resumed, not left paused
 
 
+def test_an_engine_that_dies_as_the_sync_begins_is_lost_not_refused(tiny_hf_dir, tmp_path):
+    """SIGKILL of the engine between the survey and the first bucket (a real server, killed at
+    that moment): the sync ends with EnginesLost, which the run survives by restarting the engine
+    and syncing again, not with a refusal that would end the run; it finishes the export's
+    stream on the way (other learner ranks are inside its collectives)."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.weight_sync.syncer import EnginesLost
+
+    engine = start_engine(tiny_hf_dir, tmp_path)
+    weights = list(load_file(str(tiny_hf_dir / "model.safetensors")).items())
+    drawn = []
+
+    class DiesOnUpdate(EngineClient):
+        async def update_weights_from_distributed(self, request):
+            engine.proc.send_signal(signal.SIGKILL)
+            engine.proc.wait(30)
+            return await super().update_weights_from_distributed(request)
+
+    def stream():
+        for item in weights:
+            drawn.append(item[0])
+            yield item
+
+    async def sync_into_a_dying_engine():
+        client = DiesOnUpdate(engine.url)
+        syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05, refusal_wait_s=5.0), group_name="dies_test")
+        try:
+            await syncer.connect()
+            with pytest.raises(EnginesLost) as err:
+                await syncer.sync(stream(), syncer.version + 1)
+            return str(err.value)
+        finally:
+            await client.close()
+
+    try:
+        message = asyncio.run(sync_into_a_dying_engine())
+    finally:
+        engine.stop()
+    assert f"engine {engine.url} died before bucket 0" in message
+    assert drawn == [name for name, _ in weights]  # the whole export was drawn
+
+
 # DeepSeek-V3: the expert score bias and MLA tensors; Mixtral: block_sparse_moe…w1/w3/w2 names
 SYNC_FAMILIES = [
     pytest.param("deepseek_v3", "world1", id="deepseek_v3-world1"),

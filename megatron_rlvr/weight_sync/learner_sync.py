@@ -10,7 +10,7 @@ from typing import Any
 import torch.distributed as dist
 
 from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, probe_batch
-from megatron_rlvr.weight_sync.syncer import WeightSyncer
+from megatron_rlvr.weight_sync.syncer import EnginesLost, WeightSyncer
 
 PROBE_TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]  # a fixed prompt, folded into the model's vocabulary
 
@@ -31,7 +31,12 @@ def sync_weights(
             pass
     else:
         assert loop is not None, "the source rank passes its event loop"
-        report = loop.run_until_complete(syncer.sync(learner.export_hf(), version))
+        try:
+            report = loop.run_until_complete(syncer.sync(learner.export_hf(), version))
+        except EnginesLost:
+            if learner.cfg.weight_sync.parity_tolerance is not None:
+                dist.broadcast_object_list([None], src=0)  # the other ranks wait for the probe
+            raise
     tolerance = learner.cfg.weight_sync.parity_tolerance
     if tolerance is None:
         return {} if syncer is None else _report_metrics(report)
@@ -47,6 +52,8 @@ def sync_weights(
         )
         box = [(responses, probe_batch(prompt, responses))]
     dist.broadcast_object_list(box, src=0)
+    if box[0] is None:  # the source rank's sync lost its engines: it syncs again
+        return {}
     responses, batch = box[0]
     logprobs = learner.compute_logprobs(batch, old_logprob_pass=False)
     if syncer is None:

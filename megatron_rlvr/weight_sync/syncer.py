@@ -45,6 +45,12 @@ class WeightSyncError(UserError):
     """A sync that could not complete, naming the engine and what it said."""
 
 
+class EnginesLost(WeightSyncError):
+    """Engines died before the first bucket was broadcast: nothing was sent to anyone, and the
+    export the learner ranks are inside was finished, so the run can sync again once the dead
+    engines are restarted."""
+
+
 @dataclass
 class SyncReport:
     version: int
@@ -221,6 +227,11 @@ class WeightSyncer:
             upcoming = asyncio.create_task(asyncio.to_thread(next, stream, None))  # double buffer
             try:
                 await self._send_bucket(current, version, report.buckets)
+            except EnginesLost:
+                # every learner rank is inside the export's collectives: finish it, sending nothing
+                await upcoming
+                await asyncio.to_thread(lambda: [None for _ in stream])
+                raise
             except BaseException:
                 upcoming.cancel()
                 raise
@@ -253,6 +264,10 @@ class WeightSyncer:
                 for task in announced:
                     task.cancel()
                 client, err = refused[0]
+                alive = await asyncio.gather(*(c.health() for c, _ in refused))
+                if not any(alive):  # died (a refusal is an answer): nothing was broadcast yet
+                    dead = ", ".join(c.base_url for c, _ in refused)
+                    raise EnginesLost(f"engine {dead} died before {what} was broadcast: {err}")
                 raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was posted: {err}")
         sending = asyncio.create_task(asyncio.to_thread(broadcast, self.group, bucket.buffer))
         await asyncio.wait([sending, *announced], return_when=asyncio.FIRST_EXCEPTION)
