@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
-from megatron_rlvr.errors import UserError
+from megatron_rlvr.errors import UserError, original
 from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
@@ -37,6 +37,8 @@ if TYPE_CHECKING:
     from megatron_rlvr.launch.placement import Placement
 
 log = logging.getLogger(__name__)
+# an engine dying just as a sync begins is survived this many times in a row
+SYNC_ATTEMPTS = 3
 
 
 class RunError(UserError, RuntimeError):
@@ -110,6 +112,7 @@ class Run:
     data_stats: dict = field(default_factory=dict)  # data/* counts, logged once
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
+    trained_step: int = 0  # the last step the learner trained (ahead of finished_step mid-step)
     trained_groups: int = 0  # groups the learner has trained on, over the whole run
     saved_step: int = 0  # the step of the checkpoint on disk (0: none)
     _rollout_snapshot: dict | None = None  # the rollout side as it was when finished_step ended
@@ -158,8 +161,26 @@ class Run:
     def sync_weights(self) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
         restarted since the last sync get them too and take work again."""
-        self.stop.result(self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health")
-        metrics = self.learners.sync_weights(self.version)
+        from megatron_rlvr.weight_sync.syncer import EnginesLost  # torch: imported where used
+
+        for attempt in range(1, SYNC_ATTEMPTS + 1):
+            # a first stop request lets the trained step finish (sync, metrics, checkpoint state)
+            self.stop.result(
+                self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health", urgent_only=True
+            )
+            try:
+                metrics = self.learners.sync_weights(self.version)
+                break
+            except Exception as err:  # an engine that died as the sync began: restart it, sync again
+                if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
+                    raise
+                log.warning(
+                    "%s; syncing version %d again (attempt %d of %d)",
+                    original(err),
+                    self.version,
+                    attempt + 1,
+                    SYNC_ATTEMPTS,
+                )
         self.stop.result(
             self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin", urgent_only=True
         )
@@ -205,6 +226,12 @@ class Run:
 
     def save_last(self) -> str:
         """Saves the last finished step unless it is on disk already; says where it stands."""
+        where = Path(self.cfg.trainer.output_dir) / CHECKPOINT
+        if self.trained_step > self.finished_step:
+            # the learner trained a step that never finished (its sync, its metrics line): its
+            # weights are ahead of the rollout side's state, so what is on disk stays
+            kept = f"checkpoint of step {self.saved_step} in {where}" if self.saved_step else "no checkpoint"
+            return f"step {self.trained_step} did not finish: {kept} (continue with trainer.resume=true)"
         if self.finished_step == 0:
             return "no step had finished: nothing to save"
         if self.saved_step < self.finished_step:
@@ -240,7 +267,7 @@ class Run:
             self.pending.set_result(state["next_batch"])
         self.version = state["version"]
         self.trained_groups = state.get("trained_groups", 0)
-        self.finished_step = self.saved_step = step
+        self.finished_step = self.saved_step = self.trained_step = step
         self._rollout_snapshot = state
         self.sync_weights()
         log.info("resumed from %s at step %d (policy version %d)", path, step, self.version)

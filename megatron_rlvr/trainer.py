@@ -59,6 +59,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 batch.old_logprobs = run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)
                 run.version += 1
+                run.trained_step = step
                 run.trained_groups += len(groups)
                 sync_metrics = run.sync_weights()
                 metrics = step_metrics(
