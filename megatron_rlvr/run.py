@@ -236,10 +236,7 @@ class Run:
             return "no step had finished: nothing to save"
         if self.saved_step < self.finished_step:
             self.save()
-        return (
-            f"checkpoint of step {self.saved_step} in {Path(self.cfg.trainer.output_dir) / CHECKPOINT} "
-            "(continue with trainer.resume=true)"
-        )
+        return f"checkpoint of step {self.saved_step} in {where} (continue with trainer.resume=true)"
 
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
