@@ -36,7 +36,7 @@ def test_world1_matches_hf_and_exports_bitwise(world1):
     assert world1["export_changed_after_training"]
     m = world1["metrics"]
     assert m["grad_norm"] > 0 and torch.isfinite(torch.tensor(m["policy_loss"]))
-    assert 0.0 <= m["clipfrac"] <= 1.0 and "tis_weight_mean" in m and "mismatch_k3_kl" in m
+    assert 0.0 <= m["clipfrac"] <= 1.0 and "rollout_is_mean" in m and "mismatch_k3_kl" in m
 
 
 @pytest.mark.parametrize("layout", LAYOUTS, ids=list(LAYOUTS))
