@@ -12,7 +12,6 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from megatron_rlvr.algo.baselines import EmaBaselines
 from megatron_rlvr.algo.from_config import advantage_options
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import ResolvedConfig
@@ -36,7 +35,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
     stop = stop or StopSignals()
     outcome = Outcome()
     steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout
-    advantage, ema_baselines = advantage_options(cfg.algo), EmaBaselines()  # EMA state: not yet checkpointed
+    advantage = advantage_options(cfg.algo)
     with open_run(cfg, stop) as run:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
         report = RunReport.for_run(cfg, first_step=first, once=run.data_stats)
@@ -54,7 +53,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 batch = groups_to_batch(
                     groups,
                     advantage=advantage,
-                    ema=ema_baselines,
+                    ema=run.ema_baselines,
                     pad_id=run.tokenizer.pad_token_id or 0,
                     routing=run.routing_shape,
                     slots=cfg.algo.num_minibatches * cfg.parallel.dp,

@@ -17,9 +17,11 @@ positive samples). A group of one carries no relative signal: its advantage is 0
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
+
+from megatron_rlvr.algo.ema_state import EmaBaselines
 
 BASELINE_TYPES = ("group_mean", "group_median", "rloo", "log_avg_exp", "exponential_moving_average")
 
@@ -36,20 +38,6 @@ class AdvantageOptions:
     reward_scale: float = 1.0
     reward_clip: float | None = None
     eps: float = 1e-6
-
-
-@dataclass
-class EmaBaselines:
-    """Per-prompt exponential moving averages of group mean rewards."""
-
-    values: dict[str, float] = field(default_factory=dict)
-
-    def to_dict(self) -> dict[str, dict[str, float]]:
-        return {"values": dict(self.values)}
-
-    @classmethod
-    def from_dict(cls, state: dict[str, dict[str, float]]) -> EmaBaselines:
-        return cls(values={str(k): float(v) for k, v in state["values"].items()})
 
 
 def shaped_rewards(rewards: torch.Tensor, options: AdvantageOptions) -> torch.Tensor:
