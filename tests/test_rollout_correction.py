@@ -181,11 +181,24 @@ def test_rejection_specs_are_refused_in_one_line(options, thresholds, message):
         ("algo.advantage.reward_clip=0", "algo.advantage.reward_clip = 0"),
         ("algo.advantage.baseline_type=max", "algo.advantage.baseline_type"),
         ("algo.tis_level=token", "algo.tis_level: moved to algo.rollout_correction.rollout_is"),
+        (
+            "algo.stale_negatives.enabled=true algo.rollout_correction.bypass_mode=true",
+            "algo.stale_negatives.enabled = true: bypass ppo_clip applies no weights",
+        ),
+        (
+            "algo.kind=rec algo.rollout_correction.bypass_mode=true algo.rollout_correction.loss_type=reinforce",
+            "algo.rollout_correction.loss_type = reinforce",
+        ),
+        (
+            "algo.routing_replay=r2 algo.rollout_correction.bypass_mode=true",
+            "algo.rollout_correction.bypass_mode = true: r2",
+        ),
+        ("algo.rollout_correction.rollout_rs_threshold=0.1", "algo.rollout_correction.rollout_rs_threshold = 0.1"),
     ],
 )
 def test_out_of_range_fields_are_refused_naming_the_key(override, message):
     from megatron_rlvr.config import ConfigError
 
     with pytest.raises(ConfigError, match=message.replace(".", r"\.")) as err:
-        load_config(Path(__file__).parents[1] / "configs" / "tiny-moe-cpu.yaml", [override])
+        load_config(Path(__file__).parents[1] / "configs" / "tiny-moe-cpu.yaml", override.split())
     assert "\n" not in str(err.value).strip()

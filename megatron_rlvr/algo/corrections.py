@@ -16,6 +16,16 @@ Stale negatives (the positive/negative asymmetry under off-policy data): instead
 truncation, positive-advantage tokens keep weights up to `positive_cap`, negative ones are
 clamped into [negative_floor, negative_cap].
 
+Decoupled PPO (AReaL): loss = −min(r·A, clip(r)·A) · min(π_prox/μ, cap), r = π/π_prox, with
+π_prox the learner's policy at the start of the step. That is what the trainer's old-logprob
+pass computes (learners.compute_logprobs, with the step's starting weights, before its first
+mini-batch; held fixed over the step's mini-batches, as AReaL's prox_logp is). So kind grpo
+with rollout_is token and rollout_is_threshold = cap *is* decoupled PPO, exactly (test:
+test_decoupled_ppo_is_the_default_loss_with_the_proximal_old_logprobs). AReaL's own
+behav_imp_weight_cap zeroes a token whose weight exceeds the cap instead of truncating it:
+rollout_is_threshold_lower = 0. It is not decoupled PPO in bypass mode (π_prox = μ: the ratio
+π/μ is clipped directly, verl's bypass ppo_clip) nor with rollout_is null (no behaviour weight).
+
 Every function is pure; masked positions may hold garbage and never reach a value.
 """
 

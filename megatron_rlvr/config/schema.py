@@ -215,6 +215,10 @@ class AlgoConfig(Section):
         sn = self.stale_negatives
         if sn.enabled and rc.rollout_is is None:
             problems.append("algo.stale_negatives.enabled = true: needs algo.rollout_correction.rollout_is")
+        if sn.enabled and rc.bypass_mode and rc.loss_type == "ppo_clip":
+            problems.append(
+                "algo.stale_negatives.enabled = true: bypass ppo_clip applies no weights (loss_type reinforce does)"
+            )
         if sn.negative_floor > sn.negative_cap:
             problems.append(
                 f"algo.stale_negatives.negative_floor = {sn.negative_floor}: must be <= negative_cap ({sn.negative_cap})"
