@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_rlvr.algo.ema_state import EmaBaselines
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
 from megatron_rlvr.errors import UserError, original
@@ -110,6 +111,7 @@ class Run:
     sampler: Any = None  # rollout.sampler.ActiveSampler
     evaluator: Evaluator | None = None  # when eval.sets are given
     data_stats: dict = field(default_factory=dict)  # data/* counts, logged once
+    ema_baselines: EmaBaselines = field(default_factory=EmaBaselines)  # algo.advantage's per-prompt EMA
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
     trained_step: int = 0  # the last step the learner trained (ahead of finished_step mid-step)
@@ -199,6 +201,7 @@ class Run:
                 "step": step,
                 "version": self.version,
                 "sampler": self.sampler.state(),
+                "ema_baselines": self.ema_baselines.to_dict(),
                 "buffer": await self.buffer.state(),
                 "manager": dict(self.manager.stats),
                 "trained_groups": self.trained_groups,
@@ -255,6 +258,7 @@ class Run:
 
         async def restore() -> None:
             self.sampler.load_state(state["sampler"])
+            self.ema_baselines = EmaBaselines.from_dict(state.get("ema_baselines", {"values": {}}))
             await self.buffer.load_state(state["buffer"])
             self.manager.stats.update(state["manager"])
 
