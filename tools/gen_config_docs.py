@@ -49,7 +49,8 @@ default; bounds come from the field's constraints; a section with several kinds 
 
 
 def type_name(annotation: object) -> str:
-    """A short, readable form of a field's annotation (`int ≥ 1 | None`, `"cpu" | "cuda"`)."""
+    """A short, readable form of a field's annotation (`int ≥ 1 or None`, `"cpu" / "cuda"`). No
+    `|`: inside a table cell's code span GitHub wants it escaped and MkDocs shows the escape."""
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if origin is typing.Annotated:
@@ -57,9 +58,9 @@ def type_name(annotation: object) -> str:
         bounds = [bound for m in meta for bound in _bounds(getattr(m, "metadata", [m]))]
         return type_name(base) + (" " + ", ".join(bounds) if bounds else "")
     if origin is typing.Literal:
-        return " | ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
+        return " / ".join(f'"{a}"' if isinstance(a, str) else repr(a) for a in args)
     if origin in (typing.Union, types.UnionType):
-        return " | ".join(type_name(a) for a in args)
+        return " or ".join(type_name(a) for a in args)
     if origin is not None:
         inner = ", ".join(type_name(a) for a in args)
         return f"{getattr(origin, '__name__', str(origin))}[{inner}]"
