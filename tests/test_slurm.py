@@ -209,8 +209,8 @@ def test_config_errors_are_reported_like_train():
     assert all(line.startswith("config error: ") for line in out.stderr.splitlines())
 
 
-def test_no_sbatch_on_path_is_a_clear_message():
-    out = _submit(TINY, "--nodes", 2, "--gpus-per-node", 0)
+def test_no_sbatch_on_path_is_a_clear_message(tmp_path):
+    out = _submit(TINY, f"trainer.output_dir={tmp_path / 'run'}", "--nodes", 2, "--gpus-per-node", 0)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines() == [
         "megatron-rlvr submit: sbatch not found on PATH: run this on a Slurm login node "
