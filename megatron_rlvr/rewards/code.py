@@ -22,8 +22,7 @@ from typing import Any
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.rewards.reasoning import strip_reasoning
-
-Verdict = tuple[float, str]
+from megatron_rlvr.rewards.verdict import Verdict
 
 
 class CodeTestError(UserError, ValueError):
