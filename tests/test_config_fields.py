@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from megatron_rlvr.config import Config, ResolvedConfig, load_config
 
 REPO = Path(__file__).resolve().parents[1]
+EVERY_FIELD = "*"  # a section dumped whole (model_dump) reads every one of its fields
 PACKAGE = REPO / "megatron_rlvr"
 CONFIGS = sorted((REPO / "configs").glob("*.yaml"))
 
@@ -139,6 +140,17 @@ def reads_in(tree: ast.Module) -> dict[str, set[str]]:
             if end:
                 for receiver in {end} | alias.get(end, set()):
                     reads[receiver].add(node.attr)
+        if isinstance(node, ast.Call):
+            # `SomeOptions(**algo.rec.model_dump())` hands every field of the section on, by name
+            for unpacked in (k.value for k in node.keywords if k.arg is None):
+                if (
+                    isinstance(unpacked, ast.Call)
+                    and isinstance(unpacked.func, ast.Attribute)
+                    and unpacked.func.attr == "model_dump"
+                    and (end := _chain_end(unpacked.func.value))
+                ):
+                    for receiver in {end} | alias.get(end, set()):
+                        reads[receiver].add(EVERY_FIELD)
         if isinstance(node, ast.Call) and _chain_end(node.func) == "getattr" and len(node.args) >= 2:
             name, end = node.args[1], _chain_end(node.args[0])
             if isinstance(name, ast.Constant) and isinstance(name.value, str) and end:
@@ -181,7 +193,7 @@ def _is_read(name: str, model: type[BaseModel], under: str, reads: dict[str, fro
     declaring = [c for c in model.__mro__ if name in getattr(c, "__annotations__", {})]
     receivers = {under} if under else {"cfg", "config"}
     receivers |= {f"class:{cls.__name__}" for c in declaring for cls in (c, *_subclasses(c))}
-    names = {name} | _properties_reading(model, name)
+    names = {name, EVERY_FIELD} | _properties_reading(model, name)
     return any(names & reads.get(receiver, frozenset()) for receiver in receivers)
 
 
