@@ -396,16 +396,12 @@ def _prompts(run: Run) -> tuple:
     """Every data file read and checked, and the prompts rendered into token ids (chat
     template, length limit): (loaded per source, renderer, training prompts)."""
     from megatron_rlvr.data import PromptRenderer
-    from megatron_rlvr.data.check import load_all
+    from megatron_rlvr.data.check import data_counts, load_all
 
     loaded = load_all(run.cfg, report=False)  # the command's input check reported the skipped rows
     renderer = PromptRenderer(run.tokenizer, run.cfg.data)
     train = renderer.encode(loaded["data"].records)
-    run.data_stats = {
-        "data/prompts": len(train.ids),
-        "data/too_long": train.too_long,
-        "data/skipped_rows": sum(len(part.skipped) for part in loaded.values()),
-    }
+    run.data_stats = data_counts(loaded, train)
     return loaded, renderer, train
 
 
