@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import pickle
+import secrets
 import shutil
 import tempfile
 import threading
@@ -340,10 +341,11 @@ def _start(run: Run, placement: Placement) -> None:
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
-    run.engines = EngineFleet(cfg, run.model_dir, placement)
+    api_key = secrets.token_urlsafe(32)  # this run's engines answer only requests that carry it
+    run.engines = EngineFleet(cfg, run.model_dir, placement, api_key)
     urls = run.engines.start(run.stop)
-    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop)
-    run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
+    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop, api_key)
+    run.clients = [EngineClient(url, api_key=api_key, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
     eos = tokenizer.eos_token_id
     sampling = p.SamplingParams(
         max_new_tokens=cfg.rollout.max_new_tokens,
