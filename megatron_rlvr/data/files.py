@@ -1,7 +1,11 @@
 """Prompt files as people keep them: JSONL (one object per line) or Parquet (one row per
 prompt), in a plain or verl layout, keys as dotted paths into a row, several files mixed by
 weight. Every row is checked as it is read: a bad one is an error naming file:line and what is
-wrong, or, with data.skip_bad_rows, skipped and counted."""
+wrong, or, with data.skip_bad_rows, skipped and counted.
+
+A prompt's id is its row's id (id_key) or else file:row; with several files it starts with the
+file's shortest distinct path (a/train.jsonl:0, b/train.jsonl:0), so two data sets that number
+their rows alike stay apart, and reordering data.path keeps every id (a resume still maps)."""
 
 from __future__ import annotations
 
