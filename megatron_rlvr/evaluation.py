@@ -5,7 +5,8 @@ seeds are never touched, so a seeded run trains on the same groups with evaluati
 
 Per set: pass@1 and pass@k (the unbiased estimator of Chen et al. 2021, a sample counts as
 correct when its reward is at least 1), avg@n (mean reward over all n samples of every prompt),
-mean response length in tokens and the fraction of responses cut at max_new_tokens."""
+mean response length in tokens and the fraction of responses cut at max_new_tokens. A group the
+engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many."""
 
 from __future__ import annotations
 
@@ -128,20 +129,25 @@ class Evaluator:
         return self._summary(eval_set.name, [results[i] for i in sorted(results)], failed)
 
     def _summary(self, name: str, results: list, failed: int) -> dict[str, float]:
-        prefix = f"eval/{name}"
-        out: dict[str, float] = {f"{prefix}/prompts": len(results)}
-        if failed:
-            out[f"{prefix}/failed_groups"] = failed
-        if not results:
-            return out
-        n = self.cfg.n_samples
-        correct = [sum(r >= 1.0 for r in rewards) for rewards, _, _ in results]
-        for k in self.ks:
-            out[f"{prefix}/pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
-        out[f"{prefix}/avg@{n}"] = statistics.fmean(r for rewards, _, _ in results for r in rewards)
+        return summarize(f"eval/{name}", results, failed, self.cfg.n_samples, self.ks)
+
+
+def summarize(prefix: str, results: list, failed: int, n: int, ks: list[int]) -> dict[str, float]:
+    """One set's metrics from its scored groups ((rewards, lengths, cut) each) and the number
+    that failed (engine error, abort, timeout). A failed group counts as n wrong samples in
+    pass@k and avg@n: dropping it would score a set on the prompts the engines managed, and a
+    set whose hard prompts time out would look better. Lengths are of real responses only."""
+    out: dict[str, float] = {f"{prefix}/prompts": len(results) + failed, f"{prefix}/failed": failed}
+    if not results and not failed:
+        return out
+    correct = [sum(r >= 1.0 for r in rewards) for rewards, _, _ in results] + [0] * failed
+    for k in ks:
+        out[f"{prefix}/pass@{k}"] = statistics.fmean(pass_at_k(n, c, k) for c in correct)
+    out[f"{prefix}/avg@{n}"] = sum(r for rewards, _, _ in results for r in rewards) / (n * len(correct))
+    if results:
         out[f"{prefix}/response_length"] = statistics.fmean(x for _, lengths, _ in results for x in lengths)
         out[f"{prefix}/truncated"] = statistics.fmean(t for _, _, cut in results for t in cut)
-        return out
+    return out
 
 
 def build_evaluator(

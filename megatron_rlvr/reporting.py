@@ -171,7 +171,7 @@ def _eval_summary(metrics: dict) -> str:
     for key, value in metrics.items():
         if key.startswith("eval/") and key.count("/") == 2:
             _, name, metric = key.split("/")
-            if metric not in ("prompts", "failed_groups"):
+            if metric not in ("prompts", "failed"):
                 short = {"response_length": "len", "truncated": "trunc"}.get(metric, metric)
                 sets.setdefault(name, []).append(f"{short} {value:.3f}")
     return "; ".join(f"{name} {' '.join(parts)}" for name, parts in sets.items())

@@ -19,6 +19,7 @@ import logging
 import math
 import os
 import pickle
+import secrets
 import shutil
 import tempfile
 import threading
@@ -358,10 +359,11 @@ def _start(run: Run, placement: Placement) -> None:
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
-    run.engines = EngineFleet(cfg, run.model_dir, placement)
+    api_key = secrets.token_urlsafe(32)  # this run's engines answer only requests that carry it
+    run.engines = EngineFleet(cfg, run.model_dir, placement, api_key)
     urls = run.engines.start(run.stop)
-    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop)
-    run.clients = [EngineClient(url, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
+    run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop, api_key)
+    run.clients = [EngineClient(url, api_key=api_key, timeout_s=cfg.rollout.request_timeout_s) for url in urls]
     eos = tokenizer.eos_token_id
     sampling = p.SamplingParams(
         max_new_tokens=cfg.rollout.max_new_tokens,
@@ -414,16 +416,12 @@ def _prompts(run: Run) -> tuple:
     """Every data file read and checked, and the prompts rendered into token ids (chat
     template, length limit): (loaded per source, renderer, training prompts)."""
     from megatron_rlvr.data import PromptRenderer
-    from megatron_rlvr.data.check import load_all
+    from megatron_rlvr.data.check import data_counts, load_all
 
     loaded = load_all(run.cfg, report=False)  # the command's input check reported the skipped rows
     renderer = PromptRenderer(run.tokenizer, run.cfg.data)
     train = renderer.encode(loaded["data"].records)
-    run.data_stats = {
-        "data/prompts": len(train.ids),
-        "data/too_long": train.too_long,
-        "data/skipped_rows": sum(len(part.skipped) for part in loaded.values()),
-    }
+    run.data_stats = data_counts(loaded, train)
     return loaded, renderer, train
 
 

@@ -3,19 +3,23 @@
 Steps, in order; the first that fails stops the check, named, with a non-zero exit:
   setup        bash scripts/setup.sh --gpu (torch 2.14.1/CUDA 13, SGLang 0.5.23, TE 2.20.2, Megatron-Core)
   inventory    versions of torch, CUDA, NCCL, megatron.core, transformer_engine, sglang; the GPU
-  learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "(hf or logprob) and not replay"
+  learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "hf and not replay"
   replay       routing replay R2/R3 on CUDA (tests/test_routing_replay.py)   pytest -m gpu -k replay
   checkpoint   a checkpoint made on CPU loaded on GPU                       pytest -m gpu -k checkpoint
   sglang-gpu   real SGLang on the GPU (tp 1): engine API, weight sync, R3, repeated prompt across a sync
-  learner-gpu  every other `gpu` test
+  learner-gpu  every other `gpu` test (the vocab-sharded logprob/entropy closed form, and any new one)
   train        a short `megatron-rlvr train`: learner and SGLang share GPU 0, R3, bf16, gloo weight sync
   submit       `submit --dry-run` of the two Qwen3 recipes
-It writes REPORT.md and REPORT.json (every step's command, status, time and figures) into --out.
+It writes REPORT.md and REPORT.json (every step's command, status, time and figures) into --out,
+by default a fresh runs/gpu-check/<UTC time> per check; the train step's run folder is fresh too,
+so the check runs again as it ran the first time. Every step has a time limit (a step past it is
+stopped with everything it started, and fails); a pytest step that ran no test fails.
 
 --dry-run lists the steps and their commands and runs nothing. --smoke runs the same machinery
 on a CPU machine (the GPU steps become no-ops, submit runs for real), so CI can prove the
 script itself; GPU_CHECK_FAIL_AT=<step> makes that step fail, to prove the first failure stops
-the check. Stdlib only: it runs before the venv exists.
+the check, GPU_CHECK_HANG_AT=<step> makes it hang and GPU_CHECK_TIMEOUT_S=<s> overrides every
+step's limit, to prove a hung step is stopped. Stdlib only: it runs before the venv exists.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import argparse
 import json
 import os
 import shlex
+import signal
 import subprocess
 import sys
 import time
@@ -69,33 +74,29 @@ class Step:
     command: list[str]
     kind: str = "command"  # command | pytest | train | inventory
     gpu: bool = True  # a no-op in --smoke
-    ok_codes: tuple[int, ...] = (0,)
+    timeout_s: int = 1800  # past it the step is stopped, with every process it started, and fails
     status: str = "not run"
     seconds: float = 0.0
     figures: dict = field(default_factory=dict)
     tail: str = ""
 
 
-def pytest_step(name: str, what: str, *selection: str, ok_codes: tuple[int, ...] = (0,)) -> Step:
+def pytest_step(name: str, what: str, *selection: str) -> Step:
     return Step(
-        name,
-        what,
-        [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *selection],
-        kind="pytest",
-        ok_codes=ok_codes,
+        name, what, [PY, "-m", "pytest", "-m", "gpu", "-q", "-p", "no:cacheprovider", *selection], kind="pytest"
     )
 
 
-def plan(out: Path) -> list[Step]:
-    train_dir = out / "train-run"
+def plan(out: Path, stamp: str) -> list[Step]:
+    train_dir = out / f"train-run-{stamp}"  # a run refuses a folder an earlier run wrote
     return [
-        Step("setup", "bash scripts/setup.sh --gpu", ["bash", "scripts/setup.sh", "--gpu"]),
-        Step("inventory", "versions and the GPU", [PY, "-c", INVENTORY], kind="inventory"),
+        Step("setup", "bash scripts/setup.sh --gpu", ["bash", "scripts/setup.sh", "--gpu"], timeout_s=5400),
+        Step("inventory", "versions and the GPU", [PY, "-c", INVENTORY], kind="inventory", timeout_s=300),
         pytest_step(
             "learner-hf",
             "world-1 learner on CUDA vs HF logprobs (bf16, TE spec)",
             "-k",
-            "(hf or logprob) and not replay",  # R3 against HF's logprobs runs in step "replay"
+            "hf and not replay",  # R3 against HF's logprobs runs in step "replay"
             "--ignore",
             SGLANG_GPU_TESTS,
         ),
@@ -112,12 +113,11 @@ def plan(out: Path) -> list[Step]:
         ),
         pytest_step(
             "learner-gpu",
-            "every other gpu test (none is fine)",
+            "every other gpu test (vocab-sharded logprobs and entropy on CUDA, and any new one)",
             "-k",
-            "not (hf or logprob or replay or checkpoint)",
+            "not (hf or replay or checkpoint)",
             "--ignore",
             SGLANG_GPU_TESTS,
-            ok_codes=(0, 5),
         ),
         Step(
             "train",
@@ -137,6 +137,7 @@ def plan(out: Path) -> list[Step]:
                 ),
             ],
             gpu=False,
+            timeout_s=300,
         ),
     ]
 
@@ -187,29 +188,63 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
     return {}
 
 
+def bounded(command: list[str], timeout_s: float) -> tuple[int | None, str, str]:
+    """(exit code, stdout, stderr) of a command run in a session of its own; the code is None
+    when it ran past timeout_s. Whatever of that session is left at the end (a server a test
+    left behind, or the whole step when it ran past its limit) is killed."""
+    proc = subprocess.Popen(
+        command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    code: int | None = None
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        stdout = stderr = ""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    if code is None:
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # a process that left the session still holds the pipes
+            pass
+    return code, stdout, stderr
+
+
 def run_step(step: Step, out: Path, smoke: bool) -> bool:
     injected = os.environ.get("GPU_CHECK_FAIL_AT") == step.name
-    real = not injected and not (smoke and step.gpu)
+    hang = os.environ.get("GPU_CHECK_HANG_AT") == step.name
+    real = not injected and not hang and not (smoke and step.gpu)
     if injected:
         command = ["bash", "-c", f"echo 'injected failure (GPU_CHECK_FAIL_AT={step.name})' >&2; exit 7"]
+    elif hang:  # with a child that would outlive a kill of the step's own process
+        command = ["bash", "-c", f"sleep 3600 & echo $! > {shlex.quote(str(out / 'hung.pid'))}; wait"]
     elif not real:
         command = ["true"]
     else:
         command = step.command + ([f"--junitxml={out / (step.name + '.xml')}"] if step.kind == "pytest" else [])
+    limit = float(os.environ.get("GPU_CHECK_TIMEOUT_S", step.timeout_s))
     started = time.monotonic()
-    done = subprocess.run(command, cwd=REPO, capture_output=True, text=True)
+    code, stdout, stderr = bounded(command, limit)
     step.seconds = round(time.monotonic() - started, 1)
-    step.tail = (done.stdout + done.stderr)[-3000:]
-    (out / f"{step.name}.log").write_text(done.stdout + done.stderr)
+    output = stdout + stderr
+    if code is None:
+        output += f"\ntimed out after {limit:.0f} s: stopped with every process it started"
+    elif code == 5 and step.kind == "pytest":
+        output += "\nno test matched this step's selection: nothing was checked"
+    step.tail = output[-3000:]
+    (out / f"{step.name}.log").write_text(output)
     if real:  # a failed step's figures too (which tests failed, how far training got)
         try:
-            step.figures = figures(step, out, done.stdout)
+            step.figures = figures(step, out, stdout)
         except (ValueError, OSError, IndexError) as err:
             step.figures = {"unreadable": f"{type(err).__name__}: {err}"}
-    if done.returncode == 5 and step.kind == "pytest":
-        step.tail += "\nno test matched this step's selection"
-    ok = done.returncode in step.ok_codes
-    step.status = "passed" if ok else f"FAILED (exit {done.returncode})"
+    ok = code == 0
+    step.status = (
+        "passed" if ok else f"FAILED (timed out after {limit:.0f} s)" if code is None else f"FAILED (exit {code})"
+    )
     if not real and ok:
         step.status = "skipped (smoke: needs a GPU)"
     return ok
@@ -243,13 +278,14 @@ def write_report(steps: list[Step], out: Path, mode: str, failed: Step | None) -
 
 def main() -> int:
     parser = argparse.ArgumentParser(description="Prove the GPU path on a one-GPU machine (see the module doc).")
-    parser.add_argument("--out", type=Path, default=REPO / "runs" / "gpu-check")
+    parser.add_argument("--out", type=Path, help="report folder (default: a fresh runs/gpu-check/<UTC time>)")
     parser.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     parser.add_argument("--smoke", action="store_true", help="CPU machine: GPU steps are no-ops (tests the script)")
     parser.add_argument("--skip-setup", action="store_true", help="the GPU venv is already there")
     args = parser.parse_args()
-    out = args.out.resolve()
-    steps = plan(out)
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    out = (args.out or REPO / "runs" / "gpu-check" / stamp).resolve()
+    steps = plan(out, stamp)
     if args.skip_setup or args.smoke:
         steps = [s for s in steps if s.name != "setup"]
     if args.dry_run:

@@ -1,9 +1,13 @@
 #!/usr/bin/env bash
 # Creates .venv (if missing) and installs the project with every dependency pinned.
 #
-#   bash scripts/setup.sh                CPU: torch 2.13.0's CPU build first, held by constraints.txt;
-#                                        otherwise pip resolves torch from the index and pulls
-#                                        gigabytes of CUDA packages.
+#   bash scripts/setup.sh                CPU: torch 2.13.0's CPU build first (PyTorch's CPU index when it
+#                                        answers, else pip's own index, said in a line; TORCH_INDEX_URL,
+#                                        TORCH_SPEC override: scripts/torch_cpu.sh), held by constraints.txt;
+#                                        otherwise pip resolves torch from PyPI and pulls gigabytes of
+#                                        CUDA packages.
+#   bash scripts/setup.sh --print-torch-install   where the CPU torch would come from, and the pip
+#                                        arguments; installs nothing.
 #   bash scripts/setup.sh --gpu          GPU nodes (Linux x86-64, CUDA 13 driver): the learner and SGLang
 #                                        in ONE venv, every package pinned by constraints-gpu.txt:
 #                                        torch 2.14.1 (PyPI's CUDA 13.0 build), SGLang 0.5.23,
@@ -19,11 +23,13 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
 gpu=0 check=0
+source scripts/torch_cpu.sh
 for arg in "$@"; do
     case "$arg" in
         --gpu) gpu=1 ;;
         --check) check=1 ;;
-        *) echo "setup.sh: unknown argument $arg (use --gpu, --gpu --check)" >&2; exit 2 ;;
+        --print-torch-install) torch_install_args "$PYTHON"; exit 0 ;;
+        *) echo "setup.sh: unknown argument $arg (use --gpu, --gpu --check, --print-torch-install)" >&2; exit 2 ;;
     esac
 done
 if [ "$check" = 1 ]; then
@@ -55,7 +61,8 @@ if [ "$gpu" = 1 ]; then
     "${PIP[@]}" -c constraints-gpu.txt -e ".[dev]" sglang transformer-engine-cu13
     "${PIP[@]}" -c constraints-gpu.txt --no-build-isolation -e ".[gpu,dev]"
 else
-    "${PIP[@]}" "torch==2.13.0"
+    mapfile -t torch_args < <(torch_install_args .venv/bin/python)
+    "${PIP[@]}" "${torch_args[@]}"
     "${PIP[@]}" -c constraints.txt -e ".[dev]"
 fi
 echo "$want" > "$stamp"

@@ -4,7 +4,8 @@
 # .venv-sglang/bin/python} (configs/tiny-moe-sglang-cpu.yaml) and the real-SGLang tests.
 #
 # `pip install sglang` would pin a CUDA torch 2.14.1 and ~200 packages, so instead:
-#   1. torch==2.13.0 first (the CPU build, the learner's own);
+#   1. torch==2.13.0 first (the CPU build, the learner's own: PyTorch's CPU index when it answers,
+#      else pip's own index, said in a line; TORCH_INDEX_URL, TORCH_SPEC override: scripts/torch_cpu.sh);
 #   2. every other package from tests/sglang_cpu/requirements.txt, all pinned (torch==2.13.0 too),
 #      with --no-deps (sglang 0.5.23 itself included): exactly that list, nothing resolved from
 #      sglang's metadata (which asks for a CUDA torch 2.14.1 and transformers 5.19.0);
@@ -14,14 +15,21 @@
 #      routed-experts buffer). See the header of each of those files for what and why.
 # Nothing outside .venv-sglang is written. Idempotent: a second run only checks (seconds).
 # About 2.5 GB on disk, ~1-2 min on a fresh machine with a warm pip cache.
+# --print-torch-install: where torch would come from, and the pip arguments; installs nothing.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/torch_cpu.sh
 root="$(pwd)"
 venv=.venv-sglang
 req=tests/sglang_cpu/requirements.txt
 standins="$root/tests/sglang_cpu/standins"
 PYTHON="${PYTHON:-python3.11}"
 command -v "$PYTHON" >/dev/null || PYTHON=python3
+case "${1:-}" in
+    "") ;;
+    --print-torch-install) torch_install_args "$PYTHON"; exit 0 ;;
+    *) echo "setup_sglang_cpu.sh: unknown argument $1 (use --print-torch-install)" >&2; exit 2 ;;
+esac
 
 if [ ! -x "$venv/bin/python" ]; then
     "$PYTHON" -m venv "$venv"
@@ -40,8 +48,9 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 PIP=("$py" -m pip install --disable-pip-version-check -q)
-# 1. the CPU build of torch, from the local wheel
-"${PIP[@]}" "torch==2.13.0"
+# 1. the CPU build of torch
+mapfile -t torch_args < <(torch_install_args "$py")
+"${PIP[@]}" "${torch_args[@]}"
 # 2. the pinned closure, without dependency resolution
 "${PIP[@]}" --no-deps -r "$req"
 # Sanity: the server's import graph loads and the patch is in place.

@@ -17,7 +17,7 @@ REPO = Path(__file__).resolve().parents[1]
 SGLANG_PYTHON = REPO / ".venv-sglang" / "bin" / "python"
 
 
-def start_engine(model_dir, log_dir, *, routed: bool = True, dtype: str = "float32"):
+def start_engine(model_dir, log_dir, *, routed: bool = True, dtype: str = "float32", api_key: str | None = None):
     proc = engine_process(
         str(model_dir),
         CpuEngine(dtype=dtype),
@@ -25,6 +25,7 @@ def start_engine(model_dir, log_dir, *, routed: bool = True, dtype: str = "float
         port=free_port(),
         routed_experts=routed,
         log_dir=log_dir,
+        api_key=api_key,
     )
     return proc.start(ready_timeout_s=120)
 
@@ -42,7 +43,7 @@ def sglang_engine(**fields) -> SglangEngine:
     return SglangEngine(device="cpu", python=sglang_python(), dtype="float32", **fields)
 
 
-def sglang_process(model_dir, log_dir, *, routed: bool = True, **fields):
+def sglang_process(model_dir, log_dir, *, routed: bool = True, api_key: str | None = None, **fields):
     return engine_process(
         str(model_dir),
         sglang_engine(**fields),
@@ -51,12 +52,13 @@ def sglang_process(model_dir, log_dir, *, routed: bool = True, **fields):
         routed_experts=routed,
         log_dir=log_dir,
         name="engine 0 (sglang)",
+        api_key=api_key,
     )
 
 
-def start_sglang(model_dir, log_dir, *, routed: bool = True, **fields):
+def start_sglang(model_dir, log_dir, *, routed: bool = True, api_key: str | None = None, **fields):
     """A real SGLang server on CPU through rollout.launcher, as a run starts one (~25 s)."""
-    return sglang_process(model_dir, log_dir, routed=routed, **fields).start(ready_timeout_s=300)
+    return sglang_process(model_dir, log_dir, routed=routed, api_key=api_key, **fields).start(ready_timeout_s=300)
 
 
 def start_sglang_cuda(model_dir, log_dir, *, routed: bool = True):

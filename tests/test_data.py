@@ -286,3 +286,52 @@ print(len(check_inputs(cfg)["data"].records), len(psutil.Process().children(recu
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["20000", "0", "False", "False", "None"]
+
+
+def test_two_files_of_one_name_keep_every_prompt_apart(tmp_path):
+    """Two verl data sets, each train.jsonl with extra_info.index 0..2: six prompts under six
+    ids (their file's shortest distinct path in front), both counted in the run's data/*
+    metrics; a resumed sampler whose ids are not this data's refuses in one line."""
+    from megatron_rlvr.config import PromptFormat
+    from megatron_rlvr.data import PromptRenderer
+    from megatron_rlvr.data.check import data_counts
+    from megatron_rlvr.rollout.sampler import ActiveSampler, SamplerStateMismatch
+
+    paths = []
+    for name, source in (("a", "first/set"), ("b", "second/set")):
+        (tmp_path / name).mkdir()
+        rows = [gsm8k_row(i, f"{name}{i}", str(i), data_source=source) for i in range(3)]
+        rows = [{**row, "prompt": [{"role": "user", "content": f"{i}+{len(name)}="}]} for i, row in enumerate(rows)]
+        paths.append(tmp_path / name / "train.jsonl")
+        paths[-1].write_text("".join(json.dumps(row) + "\n" for row in rows))
+    spec = FileData(path=[str(p) for p in paths], format="verl")
+    spec.fill_keys()
+    loaded = load_data(spec, VERIFIERS)
+    ids = [r.prompt_id for r in loaded.records]
+    assert ids == [f"{d}/train.jsonl:{i}" for d in "ab" for i in range(3)]
+    assert {r.data_source for r in loaded.records} == {"first/set", "second/set"}
+
+    encoded = PromptRenderer(build_arithmetic_tokenizer(tmp_path / "tok"), PromptFormat()).encode(loaded.records)
+    assert data_counts({"data": loaded}, encoded) == {
+        "data/prompts": 6,
+        "data/too_long": 0,
+        "data/skipped_rows": 0,
+        "data/prompts/a/train.jsonl": 3,
+        "data/prompts/b/train.jsonl": 3,
+    }
+
+    def sampler() -> ActiveSampler:
+        return ActiveSampler(None, None, loaded.records, encode=encoded.encode, decode=str, score=None)  # type: ignore[arg-type]
+
+    state = sampler().state()
+    sampler().load_state({**state, "order": ids[::-1]})  # this data's ids: resumes
+    with pytest.raises(SamplerStateMismatch, match=r"names 3 prompt ids .* 'train.jsonl:0'.*trainer.resume=false"):
+        sampler().load_state({**state, "order": ["train.jsonl:0", "train.jsonl:1", "train.jsonl:2"]})  # the old form
+
+    one = FileData(path=[str(paths[0]), str(tmp_path / "a" / ".." / "a" / "train.jsonl")], format="verl")
+    one.fill_keys()
+    with pytest.raises(DataError, match=r"^data.path: '.*a/train.jsonl' and '.*a/train.jsonl' are the same file"):
+        load_data(one, VERIFIERS)
+    paths[1].write_text(paths[1].read_text() + paths[1].read_text().splitlines()[0] + "\n")
+    with pytest.raises(DataError, match=r"b/train.jsonl:4: id 'b/train.jsonl:0' repeats the one at .*b/train.jsonl:1 "):
+        load_data(spec, VERIFIERS)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.config import load_config
-from megatron_rlvr.evaluation import pass_at_k
+from megatron_rlvr.evaluation import pass_at_k, summarize
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
@@ -37,6 +37,29 @@ def test_pass_at_k_is_the_unbiased_estimator(n, c, k, expected):
 def test_pass_at_k_refuses_impossible_counts(n, c, k):
     with pytest.raises(ValueError):
         pass_at_k(n, c, k)
+
+
+def test_failed_groups_count_as_wrong_and_are_counted():
+    """Two prompts scored (all right, all wrong) and two whose groups failed: pass@k and avg@n
+    over all four, not over the two that came back."""
+    scored = [([1.0, 1.0], [3, 4], [False, False]), ([0.0, 0.0], [2, 2], [False, True])]
+    out = summarize("eval/held", scored, 2, 2, [1, 2])
+    assert out == {
+        "eval/held/prompts": 4,
+        "eval/held/failed": 2,
+        "eval/held/pass@1": 0.25,
+        "eval/held/pass@2": 0.25,
+        "eval/held/avg@2": 0.25,
+        "eval/held/response_length": 2.75,
+        "eval/held/truncated": 0.25,
+    }
+    assert summarize("eval/held", [], 3, 2, [1]) == {
+        "eval/held/prompts": 3,
+        "eval/held/failed": 3,
+        "eval/held/pass@1": 0.0,
+        "eval/held/avg@2": 0.0,
+    }
+    assert summarize("eval/held", scored, 0, 2, [1])["eval/held/pass@1"] == 0.5
 
 
 def test_eval_config_is_checked():
@@ -121,12 +144,12 @@ def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
     assert [m["step"] for m in with_eval] == [0, 1, 2, 3]
     evaluated = {m["step"]: {k: v for k, v in m.items() if k.startswith("eval/held/")} for m in with_eval}
     assert set(evaluated[0]) == {
-        f"eval/held/{k}" for k in ("prompts", "pass@1", "pass@4", "avg@4", "response_length", "truncated")
+        f"eval/held/{k}" for k in ("prompts", "failed", "pass@1", "pass@4", "avg@4", "response_length", "truncated")
     }
     assert evaluated[1] == {} and evaluated[2] and evaluated[3]  # step 0, every 2 steps, the end
     for metrics in evaluated.values():
         if metrics:
-            assert metrics["eval/held/prompts"] == 24
+            assert metrics["eval/held/prompts"] == 24 and metrics["eval/held/failed"] == 0
             assert 0 <= metrics["eval/held/pass@1"] <= metrics["eval/held/pass@4"] <= 1
             assert metrics["eval/held/avg@4"] == pytest.approx(metrics["eval/held/pass@1"])  # 0/1 rewards
             assert 0 < metrics["eval/held/response_length"] <= 3 and 0 <= metrics["eval/held/truncated"] <= 1

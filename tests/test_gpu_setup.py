@@ -4,10 +4,13 @@ resolver over package metadata; a conflict fails), and scripts/gpu_check.sh's ow
 
 import json
 import os
+import re
+import runpy
 import subprocess
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,6 +60,30 @@ def test_gpu_check_lists_its_steps_in_order():
     assert listed == STEPS
     assert "tests/test_engine_api.py -k sglang_cuda" in done.stdout
     assert "rollout.engine.gpus=[0]" in done.stdout and "algo.routing_replay=r3" in done.stdout
+    # every check writes a fresh folder (a train run refuses one an earlier run wrote)
+    assert re.search(r"trainer.output_dir=\S*/runs/gpu-check/\d{8}-\d{6}/train-run-\d{8}-\d{6}\b", done.stdout)
+
+
+def test_gpu_check_runs_again_into_the_same_folder_and_stops_a_hung_step_with_its_children(tmp_path):
+    def check(**env) -> subprocess.CompletedProcess:
+        command = ["bash", "scripts/gpu_check.sh", "--smoke", "--out", str(tmp_path)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=REPO, env={**os.environ, **env})
+
+    assert check().returncode == 0
+    hung = check(GPU_CHECK_HANG_AT="inventory", GPU_CHECK_TIMEOUT_S="2")
+    assert hung.returncode == 1 and "FAILED at step inventory" in hung.stderr and "timed out after 2 s" in hung.stderr
+    assert "timed out after 2 s: stopped with every process it started" in (tmp_path / "REPORT.md").read_text()
+    child = int((tmp_path / "hung.pid").read_text())
+    assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE  # killed too
+
+
+def test_a_pytest_step_that_runs_no_test_fails(tmp_path):
+    gpu_check = runpy.run_path(str(REPO / "scripts" / "gpu_check.py"), run_name="gpu_check")
+    step = gpu_check["pytest_step"](
+        "empty", "selects nothing", "tests/test_gpu_setup.py", "-k", "no_such_test_anywhere"
+    )
+    assert not gpu_check["run_step"](step, tmp_path, smoke=False)
+    assert step.status == "FAILED (exit 5)" and "nothing was checked" in step.tail
 
 
 def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_path):

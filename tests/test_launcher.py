@@ -173,6 +173,13 @@ def test_resolve_fills_what_depends_on_the_engine():
     assert bf16.weight_sync.parity_tolerance == 0.5  # bf16 vs fp32: ~0.02 per token, ~0.3 where routing flips
     gpu = load_config(TINY, ["rollout.engine.type=sglang", "rollout.engine.dtype=bfloat16", "parallel.device=cuda"])
     assert (gpu.weight_sync.checksum, gpu.weight_sync.backend, gpu.weight_sync.parity_tolerance) == (False, "nccl", 0.5)
+    shared = ["rollout.engine.type=sglang", "parallel.device=cuda", "launch.mode=local", "rollout.engine.gpus=[0]"]
+    assert load_config(TINY, shared).weight_sync.backend == "gloo"  # NCCL: one rank per GPU
+    assert load_config(TINY, shared[:-1] + ["rollout.engine.gpus=[1]"]).weight_sync.backend == "nccl"
+    with pytest.raises(
+        ConfigError, match=r"weight_sync.backend = nccl: rollout.engine.gpus = \[0\] shares the learner"
+    ):
+        load_config(TINY, [*shared, "weight_sync.backend=nccl"])
     off = load_config(TINY, ["weight_sync.parity_tolerance=null"])
     assert off.weight_sync.parity_tolerance is None
     in_place = load_config(

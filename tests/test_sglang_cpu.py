@@ -7,6 +7,7 @@ takes ~2 GB and ~25 s to start; at most two run at once."""
 import asyncio
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -148,11 +149,15 @@ def test_a_server_never_outlives_its_sigkilled_owner(kind, tiny_hf_dir, tmp_path
 
 def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_weights(tiny_hf_dir, tmp_path):
     """SGLang 0.5.23 runs tp 2 on CPU (a core set per rank); the group is then world 3 with the
-    engine's ranks at offsets 1 and 2, and after a sync both ranks' shards are the new weights."""
+    engine's ranks at offsets 1 and 2, and after a sync both ranks' shards are the new weights.
+    The server has the run's API key: requests without it (a weight update too) get 401; the
+    key is on no process's command line and not in the server's log."""
     from safetensors.torch import load_file
     from test_engine_api import updated_model_dir
 
-    server = start_sglang(tiny_hf_dir, tmp_path, tp=2)
+    key = secrets.token_urlsafe(32)  # as every run's engines have one: SGLang's --api-key, off its argv
+    server = start_sglang(tiny_hf_dir, tmp_path, tp=2, api_key=key)
+    auth = {"Authorization": f"Bearer {key}"}
     try:
         prompt = [5, 17, 3, 44, 9]
         body = {
@@ -160,7 +165,12 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
             "return_logprob": True,
             "sampling_params": {"max_new_tokens": 8, "temperature": 1.0},
         }
-        row = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=120).status_code == 401
+        update = {"names": ["lm_head.weight"], "dtypes": ["float32"], "shapes": [[1, 1]], "group_name": "g"}
+        assert httpx.post(f"{server.url}/update_weights_from_distributed", json=update, timeout=60).status_code == 401
+        assert all(key not in " ".join(proc.cmdline()) for proc in psutil.Process(server.proc.pid).children(True))
+        assert key not in " ".join(psutil.Process(server.proc.pid).cmdline())
+        row = httpx.post(f"{server.url}/generate", json=body, headers=auth, timeout=120).json()
         logp, _ = hf_teacher_forced(tiny_hf_dir, prompt, row["output_ids"], 1.0)
         got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
         assert (got - logp).abs().max() <= 1e-4  # tp 2 computes what HF computes
@@ -170,7 +180,7 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
         new = {n: t + 0.3 * torch.randn(t.shape, generator=gen) for n, t in original.items()}
 
         async def sync():
-            client = EngineClient(server.url)
+            client = EngineClient(server.url, api_key=key)
             syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05), engine_ranks=[engine_rank_count(2)])
             try:
                 await syncer.connect()
@@ -181,10 +191,12 @@ def test_a_tp2_engine_joins_the_update_group_with_both_ranks_and_serves_the_new_
 
         report = asyncio.run(sync())
         assert report.engine_version == 1 and report.buckets > 1
-        row = httpx.post(f"{server.url}/generate", json=body, timeout=120).json()
+        row = httpx.post(f"{server.url}/generate", json=body, headers=auth, timeout=120).json()
         logp, _ = hf_teacher_forced(updated_model_dir(tiny_hf_dir, tmp_path, new), prompt, row["output_ids"], 1.0)
         got = torch.tensor([lp for lp, _, _ in row["meta_info"]["output_token_logprobs"]])
         assert (got - logp).abs().max() <= 1e-4
+        assert key not in server.log_path.read_text() and "<api-key>" in server.log_path.read_text()
+        assert not server.key_file.exists()  # the --config file lived while SGLang started
     finally:
         server.stop()
 

@@ -32,6 +32,8 @@ from megatron_rlvr.config.schema import (
     WeightSyncConfig,
 )
 
+LEARNER_GPU = 0  # launch.mode = local: the learner's one rank is on this GPU
+
 
 # ----------------------------------------------------------------------------- resolved
 # What resolve() returns: the same tree with every value it fills no longer Optional, so code
@@ -217,6 +219,11 @@ def _engine_problems(cfg: Config) -> list[str]:
                 f"rollout.engine.gpus = {engine.gpus}: needs rollout.num_engines × "
                 f"rollout.engine.tp = {r.num_engines * engine.tp} GPU ids on device cuda"
             )
+        elif sync.backend == "nccl" and LEARNER_GPU in engine.gpus:
+            problems.append(
+                f"weight_sync.backend = nccl: rollout.engine.gpus = {engine.gpus} shares the learner's GPU "
+                f"{LEARNER_GPU}, and NCCL cannot hold two ranks of the update group on one GPU (use gloo or auto)"
+            )
     if engine.python is not None:
         problems += _engine_python_problems(engine.python, sync.backend)
     return problems
@@ -286,7 +293,10 @@ def resolve(cfg: Config) -> ResolvedConfig:
     engine, sync = cfg.rollout.engine, cfg.weight_sync
     on_gpus = isinstance(engine, SglangEngine) and engine.device == "cuda" and cfg.parallel.device == "cuda"
     if sync.backend == "auto":
-        sync.backend = "nccl" if on_gpus else "gloo"
+        # NCCL puts one rank on a GPU: an engine on the learner's GPU takes gloo
+        local = cfg.launch.mode == "local"
+        shares_gpu = isinstance(engine, SglangEngine) and local and LEARNER_GPU in (engine.gpus or [])
+        sync.backend = "nccl" if on_gpus and not shares_gpu else "gloo"
     if sync.checksum is None:
         sync.checksum = isinstance(engine, CpuEngine)
     if isinstance(engine, SglangEngine) and engine.python is not None and "/" in engine.python:

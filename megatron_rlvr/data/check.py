@@ -17,6 +17,7 @@ from megatron_rlvr.config import (
     data_sources,
 )
 from megatron_rlvr.data.arithmetic import arithmetic_prompts
+from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.files import load_source
 from megatron_rlvr.data.records import LoadedPrompts
 
@@ -53,6 +54,21 @@ def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPro
             for at, reason in skipped[1:]:
                 log.debug("skipped %s: %s", at, reason)
     return loaded
+
+
+def data_counts(loaded: dict[str, LoadedPrompts], train: EncodedPrompts) -> dict[str, int]:
+    """The data/* metrics a run logs once: training prompts (and, with several files in
+    data.path, how many each gave, so a file that gives none shows), prompts over the length
+    limit, bad rows skipped."""
+    counts = {
+        "data/prompts": len(train.ids),
+        "data/too_long": train.too_long,
+        "data/skipped_rows": sum(len(part.skipped) for part in loaded.values()),
+    }
+    if len(loaded["data"].by_file) > 1:
+        for label, ids in loaded["data"].by_file.items():
+            counts[f"data/prompts/{label}"] = sum(i in train.ids for i in ids)
+    return counts
 
 
 def check_inputs(cfg: ResolvedConfig) -> dict[str, LoadedPrompts]:

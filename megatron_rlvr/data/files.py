@@ -1,7 +1,11 @@
 """Prompt files as people keep them: JSONL (one object per line) or Parquet (one row per
 prompt), in a plain or verl layout, keys as dotted paths into a row, several files mixed by
 weight. Every row is checked as it is read: a bad one is an error naming file:line and what is
-wrong, or, with data.skip_bad_rows, skipped and counted."""
+wrong, or, with data.skip_bad_rows, skipped and counted.
+
+A prompt's id is its row's id (id_key) or else file:row; with several files it starts with the
+file's shortest distinct path (a/train.jsonl:0, b/train.jsonl:0), so two data sets that number
+their rows alike stay apart, and reordering data.path keeps every id (a resume still maps)."""
 
 from __future__ import annotations
 
@@ -164,12 +168,14 @@ def load_file(
     where: str,
     skip_bad_rows: bool,
     label: str = "",
+    seen: dict[str, str] | None = None,
 ) -> LoadedPrompts:
-    """Every row of one file; `where` names its config field (data.path, eval.sets.X.path) and
-    `label` prefixes prompt ids (several files)."""
+    """Every row of one file; `where` names its config field (data.path, eval.sets.X.path),
+    `label` (several files) prefixes its prompt ids and `seen` (id → where) is shared by the
+    files of one source, so an id repeated anywhere in it is an error."""
     _open_check(path, where)
     loaded = LoadedPrompts([])
-    seen: dict[str, str] = {}
+    seen = {} if seen is None else seen
     try:
         rows = list(_rows(path, source))
     except (OSError, UnicodeDecodeError, ValueError) as err:  # pyarrow's errors are ValueErrors / OSErrors
@@ -181,8 +187,10 @@ def load_file(
             if isinstance(row, BadRow):
                 raise row
             record = parse_row(row, source, verifiers)
-            ident = record.prompt_id or f"{path.name}:{number}"
-            ident = f"{label}:{ident}" if label and record.prompt_id else ident
+            if label:
+                ident = f"{label}:{record.prompt_id or number}"
+            else:
+                ident = record.prompt_id or f"{path.name}:{number}"
             if ident in seen:
                 raise BadRow(f"id {ident!r} repeats the one at {seen[ident]}")
             seen[ident] = at
@@ -200,6 +208,22 @@ def load_file(
     return loaded
 
 
+def file_labels(paths: list[Path], where: str) -> list[str]:
+    """What names each file in prompt ids and metrics: the shortest tail of its path that tells
+    the files apart (train.jsonl, or a/train.jsonl and b/train.jsonl when two share a name).
+    A file listed twice is an error: its rows would be one data set under two names."""
+    first: dict[Path, int] = {}
+    for i, path in enumerate(paths):
+        j = first.setdefault(path.resolve(), i)
+        if j != i:
+            raise DataError(f"{where}: '{paths[j]}' and '{path}' are the same file (list it once; weights mix files)")
+    for tail in range(1, max(len(p.parts) for p in paths)):
+        labels = [str(Path(*p.parts[-tail:])) for p in paths]
+        if len(set(labels)) == len(labels):
+            return labels
+    return [str(p) for p in paths]  # whole paths: distinct, as they resolve to distinct files
+
+
 def _fields(record: PromptRecord) -> tuple:
     return record.prompt, record.answer, record.verifier, record.data_source, record.extra
 
@@ -210,16 +234,24 @@ def load_source(
     """Every file of a source; with weights, each file's share of the mixture (files drawn
     more often than they have rows repeat whole, then a seeded sample of the rest)."""
     paths = [Path(p) for p in source.paths]
-    several = len(paths) > 1
+    labels = file_labels(paths, f"{where}.path")
+    seen: dict[str, str] = {}
     per_file = [
         load_file(
-            p, source, verifiers, where=f"{where}.path", skip_bad_rows=skip_bad_rows, label=p.name if several else ""
+            path,
+            source,
+            verifiers,
+            where=f"{where}.path",
+            skip_bad_rows=skip_bad_rows,
+            label=label if len(paths) > 1 else "",
+            seen=seen,
         )
-        for p in paths
+        for path, label in zip(paths, labels)
     ]
     skipped = [s for loaded in per_file for s in loaded.skipped]
+    by_file = {label: [r.prompt_id for r in loaded.records] for label, loaded in zip(labels, per_file)}
     if source.weights is None:
-        return LoadedPrompts([r for loaded in per_file for r in loaded.records], skipped)
+        return LoadedPrompts([r for loaded in per_file for r in loaded.records], skipped, by_file)
     total = sum(len(loaded.records) for loaded in per_file)
     rng = random.Random(source.seed)
     mixed: list[PromptRecord] = []
@@ -227,4 +259,4 @@ def load_source(
         want = round(total * weight / sum(source.weights))
         whole, rest = divmod(want, len(loaded.records))
         mixed.extend(loaded.records * whole + rng.sample(loaded.records, rest))
-    return LoadedPrompts(mixed, skipped)
+    return LoadedPrompts(mixed, skipped, by_file)

@@ -42,3 +42,4 @@ class PromptRecord:
 class LoadedPrompts:
     records: list[PromptRecord]
     skipped: list[tuple[str, str]] = field(default_factory=list)  # (file:line, why) of each bad row skipped
+    by_file: dict[str, list[str]] = field(default_factory=dict)  # file label → its prompt ids (file sources)

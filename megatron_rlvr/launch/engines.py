@@ -20,10 +20,18 @@ if TYPE_CHECKING:
 
 class EngineHost:
     def __init__(
-        self, cfg: ResolvedConfig, model_dir: str, log_dir: str, index: int = 0, gpus: list[int] | None = None
+        self,
+        cfg: ResolvedConfig,
+        model_dir: str,
+        log_dir: str,
+        index: int = 0,
+        gpus: list[int] | None = None,
+        api_key: str | None = None,
     ):
-        """gpus: the GPU ids the server may see (None: as the process environment says)."""
+        """gpus: the GPU ids the server may see (None: as the process environment says);
+        api_key: the run's key, which every request but /health must carry."""
         self.cfg, self.model_dir, self.log_dir, self.index, self.gpus = cfg, model_dir, log_dir, index, gpus
+        self.api_key = api_key
         self.server: ServerProcess | None = None
         self.closed = False  # stop() came (perhaps while start() was on its way)
 
@@ -43,6 +51,7 @@ class EngineHost:
             log_dir=self.log_dir,
             name=f"engine {self.index} ({rollout.engine.type})",
             gpus=self.gpus,
+            api_key=self.api_key,
         )
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
@@ -59,6 +68,8 @@ class EngineHost:
 
         import httpx
 
+        from megatron_rlvr.rollout.client import auth_headers
+
         server = self.server
         assert server is not None and server.proc is not None, "restart() follows start()"
         try:
@@ -66,7 +77,7 @@ class EngineHost:
             how = server.exit_description()
         except subprocess.TimeoutExpired:
             try:
-                if httpx.get(f"{server.url}/health", timeout=30).status_code == 200:
+                if httpx.get(f"{server.url}/health", timeout=30, headers=auth_headers(self.api_key)).status_code == 200:
                     return None
             except httpx.HTTPError:
                 pass
@@ -85,10 +96,12 @@ class EngineHost:
 class EngineFleet:
     """All engines of a run; start() brings them up in parallel and stops all if one fails."""
 
-    def __init__(self, cfg: ResolvedConfig, model_dir: Path, placement: Placement):
+    def __init__(self, cfg: ResolvedConfig, model_dir: Path, placement: Placement, api_key: str | None = None):
         log_dir = str(Path(cfg.trainer.output_dir) / "logs")
         self.hosts = [
-            placement.place(Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i, placement.engine_gpus(i), index=i)
+            placement.place(
+                Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i, placement.engine_gpus(i), api_key, index=i
+            )
             for i in range(cfg.rollout.num_engines)
         ]
         self.urls: list[str] = []

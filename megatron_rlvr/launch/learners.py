@@ -42,9 +42,9 @@ class LearnerRank:
         host = node_ip()
         return host, free_port(host)
 
-    def setup(self, master: tuple[str, int], engine_urls: list[str]) -> int | None:
+    def setup(self, master: tuple[str, int], engine_urls: list[str], api_key: str | None = None) -> int | None:
         """Joins the world, builds this rank's model shard; rank 0 joins the engines' weight
-        update group and returns the weight version they hold."""
+        update group (its requests carrying the engines' api_key) and returns their weight version."""
         from megatron_rlvr.learner.learner import Learner
         from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
         from megatron_rlvr.rollout.client import EngineClient
@@ -55,7 +55,8 @@ class LearnerRank:
         self.learner = Learner(self.cfg, self.model_dir)
         if self.rank != 0:
             return None
-        self.clients = [EngineClient(url, timeout_s=self.cfg.rollout.request_timeout_s) for url in engine_urls]
+        timeout_s = self.cfg.rollout.request_timeout_s
+        self.clients = [EngineClient(url, api_key=api_key, timeout_s=timeout_s) for url in engine_urls]
         syncer = WeightSyncer(
             self.clients,
             self.cfg.weight_sync,
@@ -116,7 +117,13 @@ class LearnerGroup:
 
     @classmethod
     def start(
-        cls, cfg: ResolvedConfig, model_dir: Path, engine_urls: list[str], placement: Placement, stop: StopSignals
+        cls,
+        cfg: ResolvedConfig,
+        model_dir: Path,
+        engine_urls: list[str],
+        placement: Placement,
+        stop: StopSignals,
+        api_key: str | None = None,
     ) -> tuple[LearnerGroup, int]:
         """The ranks of cfg.parallel's layout, set up (a stop request ends the wait); also the
         engines' weight version."""
@@ -129,7 +136,7 @@ class LearnerGroup:
         group = cls(ranks, placement, stop)
         try:
             master = ranks[0].call("rendezvous_address")
-            version = call_all(ranks, "setup", master, engine_urls, stop=stop, urgent_only=False)[0]
+            version = call_all(ranks, "setup", master, engine_urls, api_key, stop=stop, urgent_only=False)[0]
         except BaseException:
             with contextlib.suppress(Exception):  # the failed start's own error is the one to report
                 group.close(graceful=False)

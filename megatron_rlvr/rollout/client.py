@@ -2,6 +2,8 @@
 timeouts, retries for transient failures, and a health record the rollout manager reads.
 
 A 4xx is the engine refusing the request: never retried, raised with the engine's message.
+Every request carries the run's API key (Authorization: Bearer), which SGLang's --api-key and
+the CPU engine check: a request without it is refused (401) and changes nothing.
 Connection errors, timeouts and 5xx are transient: retried with backoff, then raised as
 EngineUnavailable (the manager moves the work to another engine)."""
 
@@ -13,6 +15,8 @@ from typing import Any
 import httpx
 
 from megatron_rlvr.rollout import protocol as p
+
+ENGINE_API_KEY_ENV = "MEGATRON_RLVR_ENGINE_API_KEY"  # how the CPU engine gets the run's key
 
 
 class EngineRequestError(ValueError):
@@ -28,6 +32,7 @@ class EngineClient:
         self,
         base_url: str,
         *,
+        api_key: str | None = None,
         timeout_s: float = 120.0,
         retries: int = 2,
         backoff_s: float = 0.2,
@@ -36,7 +41,9 @@ class EngineClient:
         self.base_url = base_url.rstrip("/")
         self.retries, self.backoff_s = retries, backoff_s
         self.timeout_s, self.update_timeout_s = timeout_s, update_timeout_s
-        self._http = httpx.AsyncClient(base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0))
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=httpx.Timeout(timeout_s, connect=5.0), headers=auth_headers(api_key)
+        )
         self.healthy = True
         self.failures = 0
         self.in_flight = 0
@@ -129,6 +136,11 @@ class EngineClient:
 
     async def close(self) -> None:
         await self._http.aclose()
+
+
+def auth_headers(api_key: str | None) -> dict[str, str]:
+    """The header an engine started with `api_key` requires (none without a key)."""
+    return {"Authorization": f"Bearer {api_key}"} if api_key else {}
 
 
 def _body(response: httpx.Response) -> Any:

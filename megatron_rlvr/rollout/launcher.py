@@ -1,7 +1,12 @@
 """Starting and stopping engine server processes: the CPU engine, or SGLang (on GPUs, or on CPU
 from its own interpreter). Both are HTTP servers on a port, waited for through /health and
 stopped by process group. A watchdog process stops a server whose owner died without
-stopping it, so a crashed run never leaves a server holding GPUs or cores."""
+stopping it, so a crashed run never leaves a server holding GPUs or cores.
+
+Each server gets the run's API key off its command line (`ps` shows argv): the CPU engine in
+its environment, SGLang in a --config file readable by this user only, there while it starts.
+SGLang 0.5.23 logs its arguments, the key among them, so a keyed server's output reaches its
+log through a copy that blanks the key."""
 
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import httpx
 
 from megatron_rlvr.config import CpuEngine, SglangEngine
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.rollout.client import ENGINE_API_KEY_ENV, auth_headers
 
 log = logging.getLogger(__name__)
 
@@ -62,8 +68,11 @@ class ServerProcess:
     name: str = "engine"
     env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
     check_port: bool = True  # refuse at once when the port is taken
+    api_key: str | None = field(default=None, repr=False)  # the run's key: health checks send it, logs never show it
+    key_file: Path | None = None  # SGLang's --config file holding the key, written for each start
     proc: subprocess.Popen | None = field(default=None, repr=False)
     watchdog: subprocess.Popen | None = field(default=None, repr=False)
+    log_copy: threading.Thread | None = field(default=None, repr=False)  # a keyed server's output → its log
     stopping: bool = field(default=False, repr=False)  # stop() was called: start() gives up
     closed: bool = field(default=False, repr=False)  # close() was called: start() refuses
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -85,11 +94,22 @@ class ServerProcess:
             if self.closed:
                 raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
             self.stopping = False
+            if self.key_file is not None and self.api_key:
+                write_private(self.key_file, f"api-key: {self.api_key}\n")
             with open(self.log_path, "ab") as out:
                 log_start = out.tell()  # a restart appends: only this start's lines count
                 self.proc = subprocess.Popen(
-                    self.command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+                    self.command,
+                    stdout=subprocess.PIPE if self.api_key else out,
+                    stderr=subprocess.STDOUT,
+                    env=env,
+                    start_new_session=True,
                 )
+            if self.api_key:
+                assert self.proc.stdout is not None
+                copy = (self.proc.stdout, self.log_path, self.api_key)
+                self.log_copy = threading.Thread(target=copy_redacted, args=copy, daemon=True, name=f"{self.name} log")
+                self.log_copy.start()
             self.watchdog = subprocess.Popen(
                 [sys.executable, "-m", "megatron_rlvr.rollout.watchdog", str(os.getpid()), str(self.proc.pid)],
                 stdin=subprocess.DEVNULL,
@@ -97,6 +117,14 @@ class ServerProcess:
                 stderr=subprocess.DEVNULL,
                 start_new_session=True,
             )
+        try:
+            return self._wait_ready(ready_timeout_s, log_start)
+        finally:
+            if self.key_file is not None:
+                self.key_file.unlink(missing_ok=True)  # the server read it as it started
+
+    def _wait_ready(self, ready_timeout_s: float, log_start: int) -> ServerProcess:
+        assert self.proc is not None
         started = time.monotonic()
         next_report = started + PROGRESS_EVERY_S
         while True:
@@ -115,7 +143,7 @@ class ServerProcess:
                 self.stop()
                 raise EngineStartError(f"{self.name} ({self.url}) failed to start: {fatal}; log: {self.log_path}")
             try:
-                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{self.url}/health", timeout=2.0, headers=auth_headers(self.api_key)).status_code == 200:
                     log.info("%s ready at %s after %.0f s", self.name, self.url, waited)
                     return self
             except httpx.HTTPError:
@@ -155,6 +183,8 @@ class ServerProcess:
         if self.watchdog is not None and self.watchdog.poll() is None:
             self.watchdog.kill()
             self.watchdog.wait()
+        if self.log_copy is not None:
+            self.log_copy.join(timeout=5.0)  # its last lines, which say why it ended, in the log
 
     def close(self, grace_s: float = 10.0) -> None:
         """stop() for good: a start() racing with it refuses instead of starting a server
@@ -174,6 +204,23 @@ class ServerProcess:
 
     def log_tail(self, lines: int = 8) -> str:
         return "\n".join(_tail(self.log_path).splitlines()[-lines:])
+
+
+def write_private(path: Path, text: str) -> None:
+    """A file only this user can read (created so: never readable by others, not even briefly)."""
+    path.unlink(missing_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+
+
+def copy_redacted(stream, log_path: Path, secret: str) -> None:
+    """A server's output into its log, line by line, with `secret` blanked; ends when the
+    server and every process it started have closed their output."""
+    with stream, open(log_path, "ab") as out:
+        for line in stream:
+            out.write(line.replace(secret.encode(), b"<api-key>"))
+            out.flush()
 
 
 def stop_group(pgid: int, grace_s: float, wait=None) -> None:
@@ -336,15 +383,23 @@ def engine_process(
     log_dir: str | Path,
     name: str = "engine",
     gpus: list[int] | None = None,
+    api_key: str | None = None,
 ) -> ServerProcess:
-    """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors)."""
+    """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors).
+    api_key: what every request but /health must carry (None: the server checks nothing)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
+    key_file = None
     if isinstance(engine, CpuEngine):
-        command, env = cpu_engine_command(model_dir, engine, host, port, routed_experts), {}
+        command = cpu_engine_command(model_dir, engine, host, port, routed_experts)
+        env = {ENGINE_API_KEY_ENV: api_key} if api_key else {}
     else:
         command, env = sglang_command(model_dir, engine, host, port, routed_experts), sglang_env(engine, gpus)
-    return ServerProcess(command, host, port, log_dir / f"engine-{port}.log", name=name, env=env)
+        if api_key:  # SGLang reads no key from its environment: a --config file, not argv
+            key_file = log_dir / f"engine-{port}.key.yaml"
+            command += ["--config", str(key_file)]
+    log_path = log_dir / f"engine-{port}.log"
+    return ServerProcess(command, host, port, log_path, name=name, env=env, api_key=api_key, key_file=key_file)
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

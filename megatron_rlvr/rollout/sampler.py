@@ -31,6 +31,10 @@ class RolloutFailed(UserError, RuntimeError):
     """Every recent group failed: no engine can serve (the run stops instead of spinning)."""
 
 
+class SamplerStateMismatch(UserError, ValueError):
+    """A checkpoint's sampler state names prompts this run's data does not have."""
+
+
 class NothingToLearn(RuntimeError):
     """A step's generation bound was spent without the useful groups one batch needs."""
 
@@ -196,6 +200,13 @@ class ActiveSampler:
         }
 
     def load_state(self, state: dict) -> None:
+        unknown = [i for i in state["order"] if i not in self._by_id]
+        if unknown:  # other data, or ids of an older form (several files with one name shared one id)
+            raise SamplerStateMismatch(
+                f"the checkpoint's sampler state names {len(unknown)} prompt ids this run's data does not "
+                f"have (e.g. {unknown[0]!r}): data.path changed since it was saved (restore it, or set "
+                "trainer.resume=false)"
+            )
         self._rng.setstate(state["rng"])
         self._order = [self._by_id[i] for i in state["order"]]
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)

@@ -3,6 +3,10 @@ side talks to it exactly as it talks to a real SGLang server.
 
     python -m megatron_rlvr.rollout.server --model-path DIR [--host 127.0.0.1] [--port 30000]
         [--dtype float32] [--enable-return-routed-experts]
+
+With MEGATRON_RLVR_ENGINE_API_KEY in its environment (not argv: `ps` shows argv) every
+request but /health* needs `Authorization: Bearer KEY`, as SGLang's --api-key does; one
+without it gets 401 and changes nothing.
 """
 
 from __future__ import annotations
@@ -11,6 +15,7 @@ import argparse
 import asyncio
 import json
 import os
+import secrets
 import threading
 import time
 from typing import cast
@@ -21,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from megatron_rlvr.rollout import protocol as p
+from megatron_rlvr.rollout.client import ENGINE_API_KEY_ENV
 from megatron_rlvr.rollout.cpu_engine import CpuEngine, EngineError, Sequence
 from megatron_rlvr.rollout.routed_experts import encode_routed_experts
 from megatron_rlvr.rollout.weight_receiver import dtype_from_name, receive_bucket, receive_tensors
@@ -85,9 +91,17 @@ class WeightUpdates:
                 target.copy_(tensor.to(target.dtype))
 
 
-def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> FastAPI:
+def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="megatron-rlvr CPU engine (SGLang API)")
     updates = WeightUpdates(engine)
+
+    if api_key:
+
+        @app.middleware("http")
+        async def require_key(request: Request, call_next):
+            if request.url.path.startswith("/health") or _bearer_matches(request, api_key):
+                return await call_next(request)
+            return _error(401, "missing or wrong API key (Authorization: Bearer)")
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError):
@@ -275,6 +289,11 @@ def _response(seq: Sequence, req: p.GenerateReqInput, engine: CpuEngine, routed_
     return p.GenerateResponse(text=text, output_ids=seq.output_ids, meta_info=meta)
 
 
+def _bearer_matches(request: Request, api_key: str) -> bool:
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and secrets.compare_digest(token.encode(), api_key.encode())
+
+
 def _newer(current: str, candidate: str) -> bool | None:
     """Whether candidate is a newer version than current (None when not comparable)."""
     if current.lstrip("-").isdigit() and candidate.lstrip("-").isdigit():
@@ -323,7 +342,11 @@ def main(argv: list[str] | None = None) -> None:
     engine = CpuEngine(
         args.model_path, dtype=args.dtype, max_batch=args.max_running_requests, weight_version=args.weight_version
     )
-    app = create_app(engine, return_routed_experts=args.enable_return_routed_experts)
+    app = create_app(
+        engine,
+        return_routed_experts=args.enable_return_routed_experts,
+        api_key=os.environ.pop(ENGINE_API_KEY_ENV, None),
+    )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 
