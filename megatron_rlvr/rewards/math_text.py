@@ -145,7 +145,11 @@ _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any tex
     r"(?:\*\*[ \t]*)?(?:is|are|:|=)",
     re.IGNORECASE,
 )
-_MATH_SPAN = re.compile(r"\$\$(.{1,3000}?)\$\$|\$(.{1,3000}?)\$|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]", re.DOTALL)
+_MATH_SPAN = re.compile(  # an escaped \$ inside is a dollar sign, never the span's end: $\\$18$
+    r"(?<!\\)\$\$((?:\\.|[^\\]){1,3000}?)\$\$|(?<!\\)\$((?:\\.|[^\\$]){1,3000}?)\$"
+    r"|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]",
+    re.DOTALL,
+)
 _SENTENCE_END = re.compile(
     r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
     r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
