@@ -16,11 +16,23 @@ from __future__ import annotations
 
 import re
 
+from megatron_rlvr.rewards.math_text import matching_brace
+
 _APPROX = r"\approx"
 _SEPARATOR = re.compile(r",|;|\\TXT\{(?:or|and)\}")
 _NAME = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?")
 _EUROPEAN = re.compile(r"-?\d{1,3}(?:\.\d{3})+,\d+")
 _DECIMAL_COMMA = re.compile(r"-?\d+(?:,|\{,\})(?:\d{1,2}|\d{4,})")
+
+
+def unwrap(answer: str) -> str:
+    """The answer without brace groups around all of it (`{\\det A = -2}`), as the parser reads it."""
+    answer = answer.strip()
+    for _ in range(3):
+        if not (answer.startswith("{") and matching_brace(answer, 0) == len(answer) - 1):
+            break
+        answer = answer[1:-1].strip()
+    return answer
 
 
 def _top_level(text: str) -> list[bool]:
@@ -48,6 +60,7 @@ def drop_approximations(answer: str) -> str:
     """Each part `exact \\approx decimal` → `exact`; `\\approx decimal` → `decimal`."""
     if _APPROX not in answer:
         return answer
+    answer = unwrap(answer)
     pieces, at = [], 0
     for start, end in _segments(answer):
         part = answer[start:end]
@@ -56,7 +69,7 @@ def drop_approximations(answer: str) -> str:
             continue
         exact = part[:cut].strip()
         approx = part[cut + len(_APPROX) :]
-        kept = approx if not exact or _NAME.fullmatch(exact) else part[:cut]
+        kept = approx if not exact or _NAME.fullmatch(exact) else part[:cut].rstrip()
         if _APPROX in kept:  # \approx 1.41 \approx 1.4: the first number stands
             kept = kept[: kept.find(_APPROX)]
         pieces += [answer[at:start], kept]
@@ -66,6 +79,7 @@ def drop_approximations(answer: str) -> str:
 
 def after_label(answer: str) -> str | None:
     """What follows the last top-level `=` of a one-part answer, or None when there is none."""
+    answer = unwrap(answer)
     outside = _top_level(answer)
     if any(outside[m.start()] for m in _SEPARATOR.finditer(answer)):
         return None
@@ -78,7 +92,7 @@ def after_label(answer: str) -> str | None:
 
 def decimal_comma(answer: str, gold_is_fraction: bool) -> str:
     """A number written with a decimal comma → with a decimal point (see the module docstring)."""
-    answer = answer.strip()
+    answer = unwrap(answer)
     if _EUROPEAN.fullmatch(answer):
         return answer.replace(".", "").replace(",", ".")
     if gold_is_fraction and _DECIMAL_COMMA.fullmatch(answer):

@@ -85,6 +85,7 @@ _NAMES = {  # written-out names (singular, lower case) → symbol
     "dollar": "dollar",
     "cent": "cent",
     "euro": "euro",
+    "buck": "dollar",
     "ohm": "Ω",
     "celsius": "degC",
     "fahrenheit": "degF",
@@ -187,15 +188,19 @@ def _run_units(run: str) -> tuple:
     return tuple(sorted((unit, power) for unit, power in powers.items() if power))
 
 
-_CURRENCY = re.compile(r"\\\$|\\euro|[\u20ac\u00a3]|\\pounds")
+_CURRENCIES = (
+    ("dollar", re.compile(r"\\\$")),
+    ("euro", re.compile(r"\\euro|\u20ac")),
+    ("GBP", re.compile(r"\\pounds|\u00a3")),
+)
 
 
 def signature(cleaned: str, raw: str) -> Signature:
     """The units a cleaned answer names, one entry per run of unit words; a currency sign in
     the raw answer (\\$, €, £) is a unit of its own when no other unit is named."""
     found = {units for units in (_run_units(run.group(0)) for run in _RUN.finditer(cleaned)) if units}
-    if not found and _CURRENCY.search(raw):
-        found.add((("dollar", 1),))
+    if not found:
+        found = {((name, 1),) for name, sign in _CURRENCIES if sign.search(raw)}
     return frozenset(found)
 
 
