@@ -6,7 +6,8 @@
 - a label the parser cannot read (`\\det A = -2`, `\\angle ABC = 30^\\circ`, `\\gcd(12, 18) = 6`) is
   dropped: the answer is what follows the last `=` (labels it can read, `P(A) = 0.3`, `f(2) = 5`,
   are the last member of an equation chain in math_compare);
-- a decimal comma: `1.234,5` (dots grouping thousands, then a comma) is always 1234.5; `3,5`
+- a decimal comma: `1.234,5` (dots grouping thousands, then a comma) is always 1234.5, and
+  `1.234.567` (two dot groups or more) 1234567; `3,5`
   or `3{,}5` alone is 3.5 only against a gold that is one non-integer number, and never when
   three digits follow the comma (`3,500` is three thousand five hundred, as in English).
 
@@ -21,7 +22,7 @@ from megatron_rlvr.rewards.math_text import matching_brace
 _APPROX = r"\approx"
 _SEPARATOR = re.compile(r",|;|\\TXT\{(?:or|and)\}")
 _NAME = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?")
-_EUROPEAN = re.compile(r"-?\d{1,3}(?:\.\d{3})+,\d+")
+_EUROPEAN = re.compile(r"-?\d{1,3}(?:\.\d{3})+,\d+|-?\d{1,3}(?:\.\d{3}){2,}")
 _DECIMAL_COMMA = re.compile(r"-?\d+(?:,|\{,\})(?:\d{1,2}|\d{4,})")
 
 
@@ -94,7 +95,7 @@ def decimal_comma(answer: str, gold_is_fraction: bool) -> str:
     """A number written with a decimal comma → with a decimal point (see the module docstring)."""
     answer = unwrap(answer)
     if _EUROPEAN.fullmatch(answer):
-        return answer.replace(".", "").replace(",", ".")
+        return answer.replace(".", "").replace(",", ".")  # 1.234,5 and 1.234.567
     if gold_is_fraction and _DECIMAL_COMMA.fullmatch(answer):
         return answer.replace("{,}", ".").replace(",", ".")
     return answer
