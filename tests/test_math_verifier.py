@@ -7,13 +7,14 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from megatron_rlvr.rewards import VERIFIERS
 from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
-from megatron_rlvr.rewards.math_answer import after_label, decimal_comma, drop_approximations
+from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer
 from megatron_rlvr.rewards.math_text import AnswerError, box_at, box_starts, extract_answers
@@ -356,10 +357,12 @@ def test_labels_and_decimal_commas():
     assert after_label("\\gcd(12, 18) = 6") == "6"
     assert after_label("\\det A = 5, \\det B = 6") is None  # two answers, not a label
     assert after_label("x \\le 3") is None and after_label("= 4") is None
-    assert decimal_comma("1.234,5", gold_is_fraction=False) == "1234.5"
-    assert decimal_comma("3,5", gold_is_fraction=True) == decimal_comma("3{,}5", gold_is_fraction=True) == "3.5"
-    assert decimal_comma("3,5", gold_is_fraction=False) == "3,5"  # two roots, against a list gold
-    assert decimal_comma("3,500", gold_is_fraction=True) == "3,500"  # thousands, as in English
+    half, whole = Fraction(7, 2), Fraction(3500)
+    assert foreign_number("1.234,5", None) == "1234.5" and foreign_number("1.234.567", None) == "1234567"
+    assert foreign_number("3,5", half) == foreign_number("3{,}5", half) == "3.5"
+    assert foreign_number("3,5", None) == "3,5"  # two roots, against a list gold
+    assert foreign_number("3,500", half) == "3,500"  # thousands, as in English
+    assert foreign_number("1,23,456", whole) == "123456" and foreign_number("1,23,456", None) == "1,23,456"
 
 
 def test_a_set_builder_is_its_condition():

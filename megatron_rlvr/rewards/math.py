@@ -1,8 +1,10 @@
 """Math answer verification: `verify_math(response, gold)` → 1.0 or 0.0.
 
 In the caller's process, every step bounded: find the final answer (math_text), clean it
-(math_latex), parse it into a tree (math_parse) and compare with exact numbers, canonical
-forms and sampled values (math_compare, math_eval). Only pairs these cannot settle go to
+(math_latex), read what it commits to (math_answer: an exact value before its approximation,
+the value after a label, a decimal comma), refuse a different unit (math_units: 12 kJ is not
+12 J), parse it into a tree (math_parse) and compare with exact numbers, canonical forms and
+sampled values (math_compare, math_eval). Only pairs these cannot settle go to
 sympy, in sandboxed worker processes with a hard per-answer timeout. Nothing here raises to
 the caller or hangs: every failure is a 0.0 with a reason, and `MathVerifier.stats` counts
 the reasons (the run logs them as `verifier/<reason>`).
@@ -15,7 +17,7 @@ import functools
 from collections import Counter
 from typing import cast
 
-from megatron_rlvr.rewards.math_answer import after_label, decimal_comma, drop_approximations
+from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_compare import FastBackend, compare
 from megatron_rlvr.rewards.math_eval import rational
 from megatron_rlvr.rewards.math_latex import clean
@@ -73,9 +75,7 @@ def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
         except AnswerError:  # a gold answer in prose: compare it as words
             equal = text_node(gold_clean) == text_node(pred_clean)
             return (1.0, "text_equal") if equal else (0.0, "gold_unparsed")
-        gold_value = rational(gold_tree)
-        gold_fraction = gold_value is not None and gold_value.denominator != 1
-        pred_clean, pred_tree = _read_response(decimal_comma(pred_clean, gold_fraction), gold_tree)
+        pred_clean, pred_tree = _read_response(foreign_number(pred_clean, rational(gold_tree)), gold_tree)
         equal, reason = compare(pred_tree, gold_tree, _FAST)
         if equal is None:
             return pred_clean, gold_clean

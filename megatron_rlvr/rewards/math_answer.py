@@ -6,16 +6,18 @@
 - a label the parser cannot read (`\\det A = -2`, `\\angle ABC = 30^\\circ`, `\\gcd(12, 18) = 6`) is
   dropped: the answer is what follows the last `=` (labels it can read, `P(A) = 0.3`, `f(2) = 5`,
   are the last member of an equation chain in math_compare);
-- a decimal comma: `1.234,5` (dots grouping thousands, then a comma) is always 1234.5, and
-  `1.234.567` (two dot groups or more) 1234567; `3,5`
-  or `3{,}5` alone is 3.5 only against a gold that is one non-integer number, and never when
-  three digits follow the comma (`3,500` is three thousand five hundred, as in English).
+- a number in another convention: `1.234,5` (dots grouping thousands, then a decimal comma) is
+  always 1234.5, and `1.234.567` (two dot groups or more) 1234567; a decimal comma alone, `3,5`
+  or `3{,}5`, is 3.5 only against a gold that is one non-integer number, and never when three
+  digits follow the comma (`3,500` is three thousand five hundred, as in English); the Indian
+  grouping `1,23,456` is 123456 only against a gold that is one number (else it is a list).
 
 Each is a scan of the answer at bracket depth 0, linear in its length."""
 
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from megatron_rlvr.rewards.math_text import matching_brace
 
@@ -24,6 +26,7 @@ _SEPARATOR = re.compile(r",|;|\\TXT\{(?:or|and)\}")
 _NAME = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?")
 _EUROPEAN = re.compile(r"-?\d{1,3}(?:\.\d{3})+,\d+|-?\d{1,3}(?:\.\d{3}){2,}")
 _DECIMAL_COMMA = re.compile(r"-?\d+(?:,|\{,\})(?:\d{1,2}|\d{4,})")
+_INDIAN = re.compile(r"-?\d{1,2}(?:,\d{2})+,\d{3}(?:\.\d+)?")
 
 
 def unwrap(answer: str) -> str:
@@ -91,11 +94,14 @@ def after_label(answer: str) -> str | None:
     return rest or None
 
 
-def decimal_comma(answer: str, gold_is_fraction: bool) -> str:
-    """A number written with a decimal comma → with a decimal point (see the module docstring)."""
+def foreign_number(answer: str, gold_value: Fraction | None) -> str:
+    """A number written in another convention → as the parser reads numbers (see the module
+    docstring); `gold_value` is the gold answer's value when it is one number."""
     answer = unwrap(answer)
     if _EUROPEAN.fullmatch(answer):
         return answer.replace(".", "").replace(",", ".")  # 1.234,5 and 1.234.567
-    if gold_is_fraction and _DECIMAL_COMMA.fullmatch(answer):
+    if gold_value is not None and gold_value.denominator != 1 and _DECIMAL_COMMA.fullmatch(answer):
         return answer.replace("{,}", ".").replace(",", ".")
+    if gold_value is not None and _INDIAN.fullmatch(answer):
+        return answer.replace(",", "")
     return answer

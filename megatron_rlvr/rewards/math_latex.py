@@ -66,6 +66,8 @@ _UNICODE = {
     "\u2152": r"\frac{1}{10}",
     "\u2044": "/",
     "\u2033": "''",
+    "\u066b": ".",  # Arabic decimal separator: ٣٫٥ is 3.5
+    "\u066c": ",",  # Arabic thousands separator
 }
 _SUPERSCRIPT = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b", "0123456789-"))
 _SUPERSCRIPTS = re.compile("[" + "".join(_SUPERSCRIPT) + "]+")
