@@ -157,7 +157,7 @@ _MATH_SPAN = re.compile(  # an escaped \$ inside is a dollar sign, never the spa
 _SENTENCE_END = re.compile(
     r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
     r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
-    r"|[ \t]*\((?=(?:since|because|as|which|from|using|by|i\.e\.|e\.g\.|that is|check)\b)"  # "12 (since 3 x 4 = 12)"
+    r"|[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
 )
 _FILLER = re.compile(  # "the answer is therefore the number 42"
     r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
