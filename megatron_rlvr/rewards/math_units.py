@@ -165,7 +165,7 @@ def _run_units(run: str) -> tuple:
                 for unit, power in last:
                     powers[unit] += sign * power * (int(exponent) - 1)
             continue
-        if token in _PER or token.lower() == "per":
+        if token.lower() in _PER:
             sign = -1
             continue
         if token in ("(", ")", ".", ",", "*", "\\cdot") or token.lower() in ("degree", "degrees"):
