@@ -7,15 +7,18 @@ import subprocess
 import sys
 import time
 from collections import Counter, defaultdict
+from fractions import Fraction
 from pathlib import Path
 
 import pytest
 
 from megatron_rlvr.rewards import VERIFIERS
 from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
+from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer
 from megatron_rlvr.rewards.math_text import AnswerError, box_at, box_starts, extract_answers
+from megatron_rlvr.rewards.math_units import signature
 
 DATA = Path(__file__).parent / "data"
 CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]
@@ -228,6 +231,7 @@ def test_function_api_and_registry():
         ("x=1 then y = -3.5 in the end", ["-3.5"]),
         ("so we get $x = \\frac{1}{2}$", ["x = \\frac{1}{2}"]),
         ("\\boxed{\\boxed{4}}", ["4"]),
+        ("She pays $\\$9$ a day.\nThe answer is $\\$18$.", ["\\$18"]),
     ],
 )
 def test_where_the_final_answer_is(response, answers):
@@ -256,6 +260,9 @@ def test_where_the_final_answer_is(response, answers):
         ("f'(x) = 2x", "f_{p1}(x) = 2x"),
         ("5'6\"", "66 \\TXT{in}"),
         ("3\u221a(2) + \u00bd", "3\\sqrt(2) + \\frac{1}{2}"),
+        ("25^\\circ \\mathrm{C}", "25 \\TXT{degC}"),
+        ("250\\,\\mu\\text{m}", "250 \\TXT{\\mu m}"),
+        ("9.8 \\mathrm{~m/s^2}", "9.8 \\TXT{m/s^2}"),
     ],
 )
 def test_cleaning(answer, cleaned):
@@ -298,3 +305,74 @@ def test_a_sandbox_that_cannot_start_fails_fast_instead_of_hanging():
         )
         assert time.monotonic() - start < 30
     assert verdicts == [(0.0, "sandbox_unavailable"), (1.0, "exact")]
+
+
+@pytest.mark.parametrize(
+    "a, b, same",
+    [
+        ("12 \\mathrm{~J}", "12 \\text{ joules}", True),
+        ("12 \\mathrm{~J}", "12\\ \\mathrm{kJ}", False),
+        ("7 \\text{ mJ}", "7 \\text{ MJ}", False),
+        ("250 \\mathrm{~nm}", "250 \\mathrm{~\\mu m}", False),
+        ("4 \\text{ cm}^2", "4 \\text{ square centimeters}", True),
+        ("4 \\text{ cm}^2", "4 \\text{ cm}", False),
+        ("9.8 \\mathrm{~m/s^2}", "9.8 \\text{ meters per second squared}", True),
+        ("9.8 \\mathrm{~m/s^2}", "9.8 \\mathrm{~m} \\mathrm{~s}^{-1}", False),
+        ("60 \\text{ mph}", "60 \\text{ miles per hour}", True),
+        ("60 \\text{ mph}", "60 \\text{ km/h}", False),
+        ("25^\\circ \\mathrm{C}", "25 \\text{ K}", False),
+        ("\\$12", "12 \\text{ dollars}", True),
+        ("\\$12", "12 \\text{ cents}", False),
+        ("1 \\text{ KM}", "1 \\text{ km}", True),
+        ("5 \\text{ hours in total}", "5 \\text{ h}", True),
+    ],
+)
+def test_units_are_read_by_prefix_name_and_power(a, b, same):
+    assert (signature(clean(a), a) == signature(clean(b), b)) is same
+    assert signature(clean(a), a) and signature(clean(b), b)
+
+
+def test_words_that_are_not_units_name_none():
+    for answer in ("48 \\text{ cookies}", "5 \\text{ in total}", "24 \\text{ square units}", "12", "x \\text{ or } y"):
+        assert not signature(clean(answer), answer), answer
+
+
+@pytest.mark.parametrize(
+    "answer, kept",
+    [
+        ("2\\sqrt{2} \\approx 2.83", "2\\sqrt{2}"),
+        ("x = \\sqrt{3} \\approx 1.73 \\TXT{cm}", "x = \\sqrt{3}"),
+        ("\\approx 1.41", "1.41"),
+        ("x \\approx 1.41", "1.41"),
+        ("\\sqrt{2} \\approx 1.41, -\\sqrt{2} \\approx -1.41", "\\sqrt{2}, -\\sqrt{2}"),
+        ("\\{\\sqrt{2} \\approx 1.41\\}", "\\{\\sqrt{2} \\approx 1.41\\}"),
+    ],
+)
+def test_an_approximation_after_an_exact_value_is_dropped(answer, kept):
+    assert drop_approximations(answer).strip() == kept
+
+
+def test_labels_and_decimal_commas():
+    assert after_label("\\det A = -2") == "-2"
+    assert after_label("\\gcd(12, 18) = 6") == "6"
+    assert after_label("\\det A = 5, \\det B = 6") is None  # two answers, not a label
+    assert after_label("x \\le 3") is None and after_label("= 4") is None
+    half, whole = Fraction(7, 2), Fraction(3500)
+    assert foreign_number("1.234,5", None) == "1234.5" and foreign_number("1.234.567", None) == "1234567"
+    assert foreign_number("3,5", half) == foreign_number("3{,}5", half) == "3.5"
+    assert foreign_number("3,5", None) == "3,5"  # two roots, against a list gold
+    assert foreign_number("3,500", half) == "3,500"  # thousands, as in English
+    assert foreign_number("1,23,456", whole) == "123456" and foreign_number("1,23,456", None) == "1,23,456"
+
+
+def test_a_set_builder_is_its_condition():
+    assert parse_answer(clean("\\{x \\mid x > 2\\}")) == parse_answer("x > 2")
+    assert parse_answer(clean("\\{x \\in \\mathbb{R} : x < 0 \\text{ or } x > 1\\}"))[0] == "list"
+    with pytest.raises(AnswerError):
+        parse_answer(clean("\\{x \\in \\mathbb{Z} \\mid x > 2\\}"))
+
+
+def test_a_dropped_label_reaches_the_sandbox_as_read(verifier):
+    gold = "\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1"
+    assert verifier.verify("\\boxed{\\det M = \\tan^{6} x}", gold) == (1.0, "sympy_equal")
+    assert verifier.verify("\\boxed{\\det M = \\tan^{4} x}", gold)[0] == 0.0

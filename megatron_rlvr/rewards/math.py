@@ -1,8 +1,10 @@
 """Math answer verification: `verify_math(response, gold)` → 1.0 or 0.0.
 
 In the caller's process, every step bounded: find the final answer (math_text), clean it
-(math_latex), parse it into a tree (math_parse) and compare with exact numbers, canonical
-forms and sampled values (math_compare, math_eval). Only pairs these cannot settle go to
+(math_latex), read what it commits to (math_answer: an exact value before its approximation,
+the value after a label, a decimal comma), refuse a different unit (math_units: 12 kJ is not
+12 J), parse it into a tree (math_parse) and compare with exact numbers, canonical forms and
+sampled values (math_compare, math_eval). Only pairs these cannot settle go to
 sympy, in sandboxed worker processes with a hard per-answer timeout. Nothing here raises to
 the caller or hangs: every failure is a 0.0 with a reason, and `MathVerifier.stats` counts
 the reasons (the run logs them as `verifier/<reason>`).
@@ -15,11 +17,14 @@ import functools
 from collections import Counter
 from typing import cast
 
+from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_compare import FastBackend, compare
-from megatron_rlvr.rewards.math_latex import clean, units
+from megatron_rlvr.rewards.math_eval import rational
+from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer, text_node
 from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
 from megatron_rlvr.rewards.math_tokens import tokenize
+from megatron_rlvr.rewards.math_units import signature
 from megatron_rlvr.rewards.sandbox import SandboxPool
 from megatron_rlvr.rewards.verdict import Verdict
 
@@ -37,26 +42,41 @@ def _same_tokens(a: str, b: str) -> bool:
         return False
 
 
+def _read_response(pred_clean: str, gold_tree) -> tuple[str, tuple]:
+    """(text, tree) of the response's answer, the text being what the sandbox parses again; a
+    label the parser cannot read (`\\det A = -2`) is dropped when the gold answer is not
+    itself an equation or inequality."""
+    try:
+        return pred_clean, parse_answer(pred_clean)
+    except AnswerError as err:
+        rest = after_label(pred_clean) if gold_tree[0] != "rel" else None
+        if err.reason not in ("parse_error", "unsupported_latex") or rest is None:
+            raise
+        return rest, parse_answer(rest)
+
+
 def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
     """A verdict when the in-process checks decide, else the cleaned (pred, gold) for sympy."""
     try:
         if not isinstance(response, str) or not isinstance(gold, str):
             return 0.0, "not_a_string"
-        gold_clean = clean(gold_answer(gold))
-        pred_clean = ", ".join(clean(answer) for answer in extract_answers(response))
+        gold_raw, answers = gold_answer(gold), extract_answers(response)
+        gold_clean = clean(gold_raw)
+        pred_clean = ", ".join(drop_approximations(clean(answer)) for answer in answers)
         if not pred_clean.strip(", "):
             return 0.0, "no_answer"
         if _same_tokens(pred_clean, gold_clean):
             return 1.0, "exact"
-        pred_units, gold_units = units(pred_clean), units(gold_clean)
+        pred_units, gold_units = signature(pred_clean, " ".join(answers)), signature(gold_clean, gold_raw)
         if pred_units and gold_units and pred_units != gold_units:
-            return 0.0, "unit_mismatch"  # 5 km is not 5 m (a unit on one side only is ignored)
+            return 0.0, "unit_mismatch"  # 12 kJ is not 12 J (a unit on one side only is ignored)
         try:
             gold_tree = parse_answer(gold_clean)
         except AnswerError:  # a gold answer in prose: compare it as words
             equal = text_node(gold_clean) == text_node(pred_clean)
             return (1.0, "text_equal") if equal else (0.0, "gold_unparsed")
-        equal, reason = compare(parse_answer(pred_clean), gold_tree, _FAST)
+        pred_clean, pred_tree = _read_response(foreign_number(pred_clean, rational(gold_tree)), gold_tree)
+        equal, reason = compare(pred_tree, gold_tree, _FAST)
         if equal is None:
             return pred_clean, gold_clean
         return (1.0 if equal else 0.0), reason

@@ -1,5 +1,5 @@
 """String cleanup before parsing: unicode math to LaTeX, LaTeX sugar and spacing away,
-thousands separators joined, `\\text{}` sorted into units (dropped), connectives ("or",
+thousands separators joined, `\\text{}` sorted into units (kept as words for math_units), connectives ("or",
 "and"), answer words (kept as `\\TXT{…}`) and formatting (unwrapped). Regex passes only,
 each linear in the answer's length."""
 
@@ -9,6 +9,7 @@ import re
 
 from megatron_rlvr.rewards.math_forms import rewrite_forms
 from megatron_rlvr.rewards.math_text import MAX_ANSWER_CHARS, AnswerError, matching_brace
+from megatron_rlvr.rewards.math_units import is_unit_text
 
 _UNICODE = {
     "\u2212": "-",
@@ -65,6 +66,8 @@ _UNICODE = {
     "\u2152": r"\frac{1}{10}",
     "\u2044": "/",
     "\u2033": "''",
+    "\u066b": ".",  # Arabic decimal separator: ٣٫٥ is 3.5
+    "\u066c": ",",  # Arabic thousands separator
 }
 _SUPERSCRIPT = dict(zip("\u2070\u00b9\u00b2\u00b3\u2074\u2075\u2076\u2077\u2078\u2079\u207b", "0123456789-"))
 _SUPERSCRIPTS = re.compile("[" + "".join(_SUPERSCRIPT) + "]+")
@@ -94,6 +97,10 @@ _DEGREES = re.compile(  # braces only in pairs: {90^\circ} keeps its group's clo
     r"(?:\{\s*\})?\^\s*(?:\{\s*\\circ\s*\}|\\circ)|\\circ(?![a-zA-Z])|\\degree(?![a-zA-Z])"
     r"|\^\s*(?:\{\s*\\text\{\s*o\s*\}\s*\}|\\text\{\s*o\s*\})"
 )
+_TEMPERATURE = re.compile(  # 25^\circ C, 25^\circ\mathrm{C}, 77^\circ\text{F}: a unit, not an angle
+    r"\\deg\s*(?:\\(?:text|mathrm|textrm|rm)\s*\{\s*~?\s*([CF])\s*\}|\{\s*\\rm\s*([CF])\s*\}|([CF])(?![A-Za-z]))"
+)
+_MICRO_UNIT = re.compile(r"\\mu\s*\\TXT\{\s*(m|g|s|A|L|J|W|V|F|C|mol|eV)\s*\}")  # 250\,\mu\text{m}
 _PERCENT = re.compile(r"\\?%")
 _CURRENCY = re.compile(r"\\\$|\\euro|[\u20ac\u00a3]|\\pounds")
 _TEXT_COMMAND = re.compile(
@@ -154,87 +161,6 @@ _PROTECTED = re.compile(r"(\\(?:TXT|begin|end)\{[^{}]*\})")
 _MATH_FONTS = {"mathrm", "mathbf", "mathit", "mathsf", "mathtt", "boldsymbol", "bm"}
 
 
-_UNITS = {  # spelling → one name per unit; a unit is only compared when both answers name one
-    "m": "m",
-    "meter": "m",
-    "meters": "m",
-    "metre": "m",
-    "metres": "m",
-    "cm": "cm",
-    "centimeter": "cm",
-    "centimeters": "cm",
-    "mm": "mm",
-    "millimeter": "mm",
-    "millimeters": "mm",
-    "km": "km",
-    "kilometer": "km",
-    "kilometers": "km",
-    "in": "in",
-    "inch": "in",
-    "inches": "in",
-    "ft": "ft",
-    "foot": "ft",
-    "feet": "ft",
-    "yd": "yd",
-    "yard": "yd",
-    "yards": "yd",
-    "mi": "mi",
-    "mile": "mi",
-    "miles": "mi",
-    "s": "s",
-    "sec": "s",
-    "second": "s",
-    "seconds": "s",
-    "min": "min",
-    "minute": "min",
-    "minutes": "min",
-    "h": "h",
-    "hr": "h",
-    "hrs": "h",
-    "hour": "h",
-    "hours": "h",
-    "day": "day",
-    "days": "day",
-    "week": "week",
-    "weeks": "week",
-    "year": "year",
-    "years": "year",
-    "g": "g",
-    "gram": "g",
-    "grams": "g",
-    "kg": "kg",
-    "kilogram": "kg",
-    "kilograms": "kg",
-    "lb": "lb",
-    "lbs": "lb",
-    "pound": "lb",
-    "pounds": "lb",
-    "oz": "oz",
-    "ounce": "oz",
-    "ounces": "oz",
-    "l": "l",
-    "liter": "l",
-    "liters": "l",
-    "litre": "l",
-    "litres": "l",
-    "ml": "ml",
-    "milliliter": "ml",
-    "milliliters": "ml",
-    "dollar": "dollar",
-    "dollars": "dollar",
-    "cent": "cent",
-    "cents": "cent",
-    "mph": "mph",
-}
-_TXT = re.compile(r"\\TXT\{([^{}]*)\}")
-
-
-def units(cleaned: str) -> frozenset:
-    """The units a cleaned answer names (km, cm, hours …), each by one name."""
-    words = (w.strip(".").lower() for t in _TXT.findall(cleaned) for w in re.split(r"[\s/^\d]+", t))
-    return frozenset(_UNITS[w] for w in words if w in _UNITS)
-
-
 def _text_command(match: re.Match) -> str:
     """One innermost \\text-like command → its content inline, a connective, or a \\TXT word."""
     command, raw = match.group(1), match.group(2)
@@ -264,6 +190,8 @@ def _text_command(match: re.Match) -> str:
     single_letter = re.fullmatch(r"[A-Za-z]", content)
     if single_letter and command not in _MATH_FONTS and content not in "ABCDE":
         return r" \TXT{" + content + "} "  # \text{ m}: a unit
+    if re.search(r"[/^]|\\cdot", content) and is_unit_text(content):
+        return r" \TXT{" + content + "} "  # \mathrm{~m/s^2}, \mathrm{kg \cdot m^2}: units, not variables
     if re.fullmatch(
         r"[\d\s.,+\-*/^=<>()\[\]|\\{}]*|\(?[A-Za-z]\)?|\(?[A-Za-z]\)\s*\S.*|.*\d.*", content.replace(" ", "")
     ):
@@ -332,12 +260,14 @@ def clean(answer: str) -> str:
     s = _THOUSANDS_BRACE.sub("", s)
     s = _THOUSANDS_THIN.sub("", s)
     s = _DEGREES.sub(r" \\deg ", s)
+    s = _TEMPERATURE.sub(lambda m: r" \TXT{deg" + (m.group(1) or m.group(2) or m.group(3)) + "} ", s)
     s = _PERCENT.sub(r" \\pct ", s)
     s = _SPACES.sub(" ", s)
     for _ in range(20):
         s, n = _TEXT_COMMAND.subn(_text_command, s)
         if not n:
             break
+    s = _MICRO_UNIT.sub(r"\\TXT{\\mu \1}", s)
     s = _FONT_GROUP.sub("", s)  # \mathbf{\frac{1}{2}}: the font of a group that holds math
     s = _over_to_frac(s)
     s = _MIXED_PLAIN.sub(

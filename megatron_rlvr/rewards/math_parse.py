@@ -322,6 +322,8 @@ class _Parser:
             self.at -= 1
             return self.group("{", "}")
         if value == "\\{":
+            if self.set_builder_ahead():
+                return self.set_builder()
             found = self.items(("\\}",), expand=True)
             self.expect("\\}")
             return ("set", tuple(found)) if found else ("empty",)
@@ -340,6 +342,25 @@ class _Parser:
             self.expect("rfloor" if value == "lfloor" else "rceil")
             return ("fn", "floor" if value == "lfloor" else "ceiling", (inner,))
         raise AnswerError("parse_error")
+
+    def set_builder_ahead(self) -> bool:
+        """After `\\{`: `x |`, `x :` or `x \\in \\mathbb{R} |` opens a set of reals by a condition."""
+        name, mark = self.peek(), self.peek(1)
+        if mark == ("op", "in") and self.peek(2) == ("const", "reals"):
+            mark = self.peek(3)
+        return name[0] == "id" and mark in (("op", "|"), ("op", ":"))
+
+    def set_builder(self):
+        """\\{x | x > 2\\} is x > 2; conditions joined by "or" are a union (a list of them)."""
+        self.at += 4 if self.peek(1) == ("op", "in") else 2
+        conditions = [self.item()]
+        while self.is_op("or"):
+            self.take()
+            conditions.append(self.item())
+        self.expect("\\}")
+        if any(c[0] != "rel" for c in conditions):
+            raise AnswerError("parse_error")
+        return conditions[0] if len(conditions) == 1 else ("list", tuple(conditions))
 
     def number(self, text: str):
         value = parse_number(text)

@@ -145,10 +145,19 @@ _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any tex
     r"(?:\*\*[ \t]*)?(?:is|are|:|=)",
     re.IGNORECASE,
 )
-_MATH_SPAN = re.compile(r"\$\$(.{1,3000}?)\$\$|\$(.{1,3000}?)\$|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]", re.DOTALL)
+_CORRECTED = re.compile(  # "The answer is 7. Wait, actually it should be 8.": the stated answer, corrected
+    r"\b(?:wait|actually|oops|sorry|no)\b[^.\n$]{0,40}?\b(?:should be|should have been|is actually|must be)\b",
+    re.IGNORECASE,
+)
+_MATH_SPAN = re.compile(  # an escaped \$ inside is a dollar sign, never the span's end: $\\$18$
+    r"(?<!\\)\$\$((?:\\.|[^\\]){1,3000}?)\$\$|(?<!\\)\$((?:\\.|[^\\$]){1,3000}?)\$"
+    r"|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]",
+    re.DOTALL,
+)
 _SENTENCE_END = re.compile(
     r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
     r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
+    r"|[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
 )
 _FILLER = re.compile(  # "the answer is therefore the number 42"
     r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
@@ -271,6 +280,9 @@ def extract_answers(response: str) -> list[str]:
     answer_at = None
     for answer_at in _ANSWER_IS.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
+    if answer_at is not None:
+        for correction in _CORRECTED.finditer(text, answer_at.end()):
+            answer_at = correction
     hashes = text.rfind("####")
     if hashes >= 0 and (answer_at is None or hashes > answer_at.start()):
         found = _after_answer_is(text[hashes + 4 :])
