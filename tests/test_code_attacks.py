@@ -37,6 +37,16 @@ def add(a, b):
         frame = frame.f_back
     return a - b
 """
+# Floods the report pipe with a claim far over the output limit.
+FLOOD = """
+import sys, os
+def add(a, b):
+    frame = sys._getframe()
+    while 'write_end' not in frame.f_locals:
+        frame = frame.f_back
+    os.write(frame.f_locals['write_end'], b'{"status": "returned", "values": [' + b'5, ' * 10**6 + b'6]}')
+    return a + b
+"""
 # Reads the expected value from the code of the test that called it.
 CALLER_CONSTANTS = """
 import sys
@@ -71,6 +81,8 @@ def attacks(dataset) -> dict[str, tuple[str, str]]:
         "int subclass whose __eq__ is always True": (returns("Sneaky(0)", always_equal("int")), "not_a_value"),
         "walks frames to the verdict pipe": (FRAME_WALK, "crashed"),
         "reads expected values from the caller's code": (CALLER_CONSTANTS, "wrong_answer"),
+        "floods the report pipe": (FLOOD, "crashed"),
+        "writes beside its own directory": (returns("a + b", "open('../json.py', 'w').write('')"), "sandbox_violation"),
         "os._exit(0) in the call": (returns("__import__('os')._exit(0)"), "crashed"),
         "os._exit(0) at import": ("import os\ndef add(a, b):\n    return 0\nos._exit(0)", "crashed"),
         "patches operator.eq and builtins": (

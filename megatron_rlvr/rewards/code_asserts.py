@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+from collections.abc import Sequence
 from typing import Any
 
 PLACEHOLDER = "_rlvr_value_{}"
@@ -74,7 +75,7 @@ def _flatten(module: ast.Module, entry_point: str | None) -> list[ast.stmt]:
     return statements
 
 
-def _bound_names(nodes: list[ast.AST]) -> set[str]:
+def _bound_names(nodes: Sequence[ast.AST]) -> set[str]:
     bound: set[str] = set()
     for top in nodes:
         for node in ast.walk(top):
@@ -135,6 +136,19 @@ def _placeholder_index(node: ast.expr) -> int | None:
     if isinstance(node, ast.Name) and node.id.startswith("_rlvr_value_"):
         return int(node.id.rsplit("_", 1)[1])
     return None
+
+
+def _inert(statement: ast.stmt) -> bool:
+    """A statement that cannot change a quick check's outcome: an import (the sandbox ran it
+    first), `NAME = literal` (HumanEval's METADATA), `assert <true literal>`."""
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return True
+    if isinstance(statement, ast.Assign):
+        return all(isinstance(t, ast.Name) for t in statement.targets) and _literal(statement.value)[0]
+    if isinstance(statement, ast.Assert):
+        ok, value = _literal(statement.test)
+        return ok and bool(value)
+    return False
 
 
 def _fast_check(statement: ast.stmt) -> tuple[str, int, Any] | None:
@@ -209,7 +223,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
         if isinstance(statement, (ast.Import, ast.ImportFrom)) or _bound_names([statement]) & needed:
             shared.insert(0, statement)
             needed |= _loads(statement)
-    checks = [_fast_check(s) for s in program if not isinstance(s, (ast.Import, ast.ImportFrom))]
+    checks = [_fast_check(s) for s in program if not _inert(s)]
     return {
         "kind": "assert",
         "setup": ast.unparse(ast.Module(shared, [])),

@@ -144,10 +144,10 @@ def _in_child(target, settings: dict, *, wall_s: float, stdin_data: str = "") ->
     os.close(write_end)
     deadline = started + wall_s
     received = b""
-    while (left := deadline - time.monotonic()) > 0:  # the verdict, until the child closes the pipe
+    while (left := deadline - time.monotonic()) > 0:  # the report, until the child closes the pipe
         if select.select([read_end], [], [], left)[0]:
             chunk = os.read(read_end, 65536)
-            if not chunk:
+            if not chunk or len(received) > output_bytes:  # a flood is no report
                 break
             received += chunk
     os.close(read_end)
