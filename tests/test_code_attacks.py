@@ -179,16 +179,19 @@ def test_humaneval_and_judge_program_attacks(verifier):
             "def area(r):\n    return 0\ndef common(a, b):\n    return [2]"
         ),
     }
-    assert score(verifier, mbpp, MBPP_FLOAT) == {
-        "honest": (1.0, "passed"),
-        "patches math.isclose": (0.0, "wrong_answer"),
-    }
+    for tests in (MBPP_FLOAT, {**MBPP_FLOAT, "test_imports": []}):  # some datasets forget `import math`
+        assert score(verifier, mbpp, tests) == {
+            "honest": (1.0, "passed"),
+            "patches math.isclose": (0.0, "wrong_answer"),
+        }
 
 
 def test_the_sandbox_never_sees_an_expected_value():
     sent = [{k: t[k] for k in ("setup", "exprs")} for t in parse_tests(MBPP) + parse_tests(HUMANEVAL)]
     assert "5" not in json.dumps(sent[0]) and "0.3" not in json.dumps(sent[2])
     assert sent[0] == {"setup": "", "exprs": [["add(2, 3)", True]]}
+    unimported = parse_tests(["assert math.isclose(area(2), 12.566)"])[0]  # math is the test's, not the solution's
+    assert unimported["exprs"] == [["area(2)", True]] and unimported["setup"] == "import math"
     assert sent[2]["exprs"] == [["total([1.0, 2.0])", True], ["total([0.1, 0.2])", True], ["total([])", True]]
 
 

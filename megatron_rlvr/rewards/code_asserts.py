@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ast
 import builtins
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -73,6 +74,15 @@ def _flatten(module: ast.Module, entry_point: str | None) -> list[ast.stmt]:
             raise _test_error("the test defines check() but nothing calls it and no entry_point names the function")
         statements += _inline_check(checks["check"], entry_point)
     return statements
+
+
+def _unimported_modules(statements: list[ast.stmt]) -> list[str]:
+    """Standard modules a test uses (`math.isclose`) but forgot to import: they are the test's,
+    not the solution's, so they are imported for it rather than looked up in the solution."""
+    nodes = [n for s in statements for n in ast.walk(s)]
+    attributes = {n.value.id for n in nodes if isinstance(n, ast.Attribute) and isinstance(n.value, ast.Name)}
+    called = {n.func.id for n in nodes if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}
+    return sorted((attributes & sys.stdlib_module_names) - called - _bound_names(statements))
 
 
 def _bound_names(nodes: Sequence[ast.AST]) -> set[str]:
@@ -179,6 +189,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
     except (SyntaxError, ValueError) as err:
         raise _test_error(f"the test code does not parse: {err}") from None
     statements = _flatten(module, entry_point)
+    statements = [ast.Import([ast.alias(name)]) for name in _unimported_modules(statements)] + statements
     bound = _bound_names(list(statements))
     free = {n for s in statements for n in _loads(s)} - bound - _BUILTINS
     imported = _bound_names([s for s in statements if isinstance(s, (ast.Import, ast.ImportFrom))])
