@@ -141,14 +141,20 @@ def test_call_and_stdio_attacks_score_zero_and_honest_solutions_pass(verifier, t
     got = score(verifier, {"honest": HONEST_ADD, **{name: code for name, (code, _) in forged.items()}}, CALL)
     assert got == {"honest": (1.0, "passed"), **{name: (0.0, reason) for name, (_, reason) in forged.items()}}
 
+    for a, b in ([2, 3], [10, -4]):  # expected outputs stored one file per test (as CodeContests does)
+        (tmp_path / f"out_{a}_{b}.txt").write_text(f"{a + b}\n")
     stdio = {
         "honest": "a, b = map(int, input().split())\nprint(a + b)",
+        "links its output file to the expected one": (
+            f"import os\na, b = input().split()\nos.remove('stdout')\nos.symlink(f'{tmp_path}/out_{{a}}_{{b}}.txt', 'stdout')"
+        ),
         "prints a fake verdict": 'print(\'{"tests": [{"status": "passed"}]}\')',
         "prints nan": "print('nan')",
         "exits before printing": "import os\nos._exit(0)",
     }
     assert score(verifier, stdio, STDIO) == {
         "honest": (1.0, "passed"),
+        "links its output file to the expected one": (0.0, "wrong_answer"),
         "prints a fake verdict": (0.0, "wrong_answer"),
         "prints nan": (0.0, "wrong_answer"),
         "exits before printing": (0.0, "crashed"),

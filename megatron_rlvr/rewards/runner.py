@@ -188,8 +188,10 @@ def _reap(pid: int, deadline: float) -> tuple[bool, int]:
 
 
 def _read(path: str, limit: int) -> str:
+    """The child's output file; never a link the child put in its place (to a file it may
+    not read itself, such as a dataset's expected output)."""
     try:
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
