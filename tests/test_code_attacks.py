@@ -223,3 +223,64 @@ def test_values_cross_as_exact_builtins_only():
             encode_value(forged)
     with pytest.raises(ValueError):
         decode_value({"eval": "1"})
+
+
+MBPP_SHAPES = {
+    "test_list": [
+        "assert similar_elements((3, 4, 5, 6), (5, 7, 4, 10)) == (4, 5)",
+        "assert factorial(30) == 265252859812191058636308480000000",
+        "assert count_chars('abca') == {'a': 2, 'b': 1, 'c': 1}",
+        "assert reverse_words('hello world') == 'world hello'",
+        "assert nothing() is None",
+        "assert is_even(4) == True and not is_even(3)",
+        "assert list(squares(3)) == [0, 1, 4]",
+        "assert sorted(pairs([1, 2])) == [[1, 2], [2, 1]]",
+        "assert longest_chain([Pair(5, 24), Pair(15, 25), Pair(27, 40), Pair(50, 60)], 4) == 3",
+        "assert abs(mean([1, 2]) - 1.5) < 1e-9",
+        "assert to_bytes('a') == b'a' and halves(1) == 0.5",
+    ],
+    "test_setup_code": "",
+}
+MBPP_SHAPES_SOLUTION = """
+import math
+def similar_elements(a, b):
+    return tuple(sorted(set(a) & set(b)))
+def factorial(n):
+    return math.factorial(n)
+def count_chars(s):
+    return {c: s.count(c) for c in dict.fromkeys(s)}
+def reverse_words(s):
+    return ' '.join(reversed(s.split()))
+def nothing():
+    pass
+def is_even(n):
+    return n % 2 == 0
+def squares(n):
+    return (i * i for i in range(n))
+def pairs(xs):
+    return [[x, y] for x in xs for y in xs if x != y]
+class Pair:
+    def __init__(self, a, b):
+        self.a, self.b = a, b
+def longest_chain(pairs, n):
+    pairs = sorted(pairs, key=lambda p: p.b)
+    end, count = float('-inf'), 0
+    for p in pairs:
+        if p.a > end:
+            end, count = p.b, count + 1
+    return count
+def mean(xs):
+    return sum(xs) / len(xs)
+def to_bytes(s):
+    return s.encode()
+def halves(n):
+    return n / 2
+"""
+
+
+def test_honest_solutions_pass_mbpp_shaped_tests_of_every_kind(verifier):
+    wrong = MBPP_SHAPES_SOLUTION.replace("return n % 2 == 0", "return n % 2 == 1")
+    assert score(verifier, {"honest": MBPP_SHAPES_SOLUTION, "wrong": wrong}, MBPP_SHAPES) == {
+        "honest": (1.0, "passed"),
+        "wrong": (0.0, "wrong_answer"),
+    }
