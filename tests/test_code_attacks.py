@@ -47,6 +47,8 @@ def add(a, b):
     os.write(frame.f_locals['write_end'], b'{"status": "returned", "values": [' + b'5, ' * 10**6 + b'6]}')
     return a + b
 """
+# Reports a value nested deep enough to break a JSON parser (and the supervisor with it).
+DEEP = FLOOD.replace("b'5, ' * 10**6 + b'6]}'", "b'[' * 30000 + b']' * 30000 + b']}'")
 # Reads the expected value from the code of the test that called it.
 CALLER_CONSTANTS = """
 import sys
@@ -82,6 +84,7 @@ def attacks(dataset) -> dict[str, tuple[str, str]]:
         "walks frames to the verdict pipe": (FRAME_WALK, "crashed"),
         "reads expected values from the caller's code": (CALLER_CONSTANTS, "wrong_answer"),
         "floods the report pipe": (FLOOD, "crashed"),
+        "reports a value nested 30000 deep": (DEEP, "crashed"),
         "writes beside its own directory": (returns("a + b", "open('../json.py', 'w').write('')"), "sandbox_violation"),
         "os._exit(0) in the call": (returns("__import__('os')._exit(0)"), "crashed"),
         "os._exit(0) at import": ("import os\ndef add(a, b):\n    return 0\nos._exit(0)", "crashed"),

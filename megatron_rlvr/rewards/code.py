@@ -175,9 +175,8 @@ def judge(test: dict, outcome: dict, judged: dict | None = None) -> str:
         try:
             if test["kind"] == "call":
                 value, expected = _normal(decode_value(outcome.get("value"))), _normal(test["expected"])
-                single = (
-                    isinstance(expected, list) and len(expected) == 1 and value == expected[0]
-                )  # APPS wraps outputs
+                # APPS wraps a call's output in a list of one
+                single = isinstance(expected, list) and len(expected) == 1 and value == expected[0]
                 return "passed" if value == expected or single else "wrong_answer"
             values = [decode_value(v) for v in outcome["values"]]
         except (ValueError, TypeError, KeyError, RecursionError):

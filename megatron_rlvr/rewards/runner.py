@@ -168,7 +168,7 @@ def _in_child(target, settings: dict, *, wall_s: float, stdin_data: str = "") ->
         return {"status": reason, "detail": signal.Signals(sig).name, "seconds": seconds}
     try:
         report = json.loads(received)
-    except ValueError:
+    except (ValueError, RecursionError):  # not JSON, or nested to break the parser
         report = None
     if not isinstance(report, dict) or not isinstance(report.get("status"), str):
         return {"status": "crashed", "detail": "exited without a report", "seconds": seconds}
