@@ -112,23 +112,39 @@ class _Splitter(ast.NodeTransformer):
     """Replaces the largest subexpressions that call the solution and hold no test data outside
     that call's arguments with placeholders; collects them."""
 
-    def __init__(self, free: set[str], imported: set[str]):
+    def __init__(self, statements: list[ast.stmt], free: set[str], imported: set[str]):
         self.free, self.imported = free, imported
         self.taken: list[ast.expr] = []
+        self.tainted: set[int] = set()  # ids of the nodes that call the solution, found in one pass
+        self.clean: dict[int, bool] = {}
+        for statement in statements:
+            self._mark(statement)
+
+    def _mark(self, node: ast.AST) -> bool:
+        found = isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) and node.id in self.free
+        for child in ast.iter_child_nodes(node):
+            found |= self._mark(child)
+        if found:
+            self.tainted.add(id(node))
+        return found
 
     def calls_solution(self, node: ast.AST) -> bool:
-        return bool(_loads(node) & self.free)
+        return id(node) in self.tainted
 
     def holds_no_test_data(self, node: ast.AST) -> bool:
         """Constants and the test's own names may appear only as arguments of a call to the
         solution (they are its inputs); elsewhere they could be the expected side."""
-        if isinstance(node, ast.Constant):
-            return False
-        if isinstance(node, ast.Name):
-            return node.id in self.free or node.id in self.imported or node.id in _BUILTINS
-        if isinstance(node, ast.Call) and self.calls_solution(node.func):
-            return self.holds_no_test_data(node.func)
-        return all(self.holds_no_test_data(child) for child in ast.iter_child_nodes(node))
+        if id(node) not in self.clean:
+            if isinstance(node, ast.Constant):
+                clean = False
+            elif isinstance(node, ast.Name):
+                clean = node.id in self.free or node.id in self.imported or node.id in _BUILTINS
+            elif isinstance(node, ast.Call) and self.calls_solution(node.func):
+                clean = self.holds_no_test_data(node.func)
+            else:
+                clean = all(self.holds_no_test_data(child) for child in ast.iter_child_nodes(node))
+            self.clean[id(node)] = clean
+        return self.clean[id(node)]
 
     def generic_visit(self, node: ast.AST) -> ast.AST:
         if isinstance(node, ast.expr) and self.calls_solution(node) and self.holds_no_test_data(node):
@@ -195,7 +211,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
     bound = _bound_names(list(statements))
     free = {n for s in statements for n in _loads(s)} - bound - _BUILTINS
     imported = _bound_names([s for s in statements if isinstance(s, (ast.Import, ast.ImportFrom))])
-    splitter = _Splitter(free, imported)
+    splitter = _Splitter(statements, free, imported)
     program: list[ast.stmt] = []
     setup: list[ast.stmt] = []
     judged = [s for s in statements if splitter.calls_solution(s)]
