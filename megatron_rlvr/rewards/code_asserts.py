@@ -18,7 +18,7 @@ from __future__ import annotations
 import ast
 import builtins
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 PLACEHOLDER = "_rlvr_value_{}"
@@ -42,10 +42,20 @@ class _Rename(ast.NodeTransformer):
         return ast.copy_location(ast.Name(self.new, node.ctx), node) if node.id == self.old else node
 
 
+def _own_nodes(function: ast.FunctionDef) -> Iterator[ast.AST]:
+    """The nodes of a function's body, not those of the functions and classes it defines."""
+    pending: list[ast.AST] = list(function.body)
+    while pending:
+        node = pending.pop()
+        yield node
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)):
+            pending.extend(ast.iter_child_nodes(node))
+
+
 def _inline_check(check: ast.FunctionDef, target: str) -> list[ast.stmt]:
     if not check.args.args:
         raise _test_error("check() takes no argument: nothing to pass the solution to")
-    for node in ast.walk(check):
+    for node in _own_nodes(check):
         if isinstance(node, (ast.Return, ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom)):
             raise _test_error(f"check() line {node.lineno}: a {type(node).__name__.lower()} statement cannot be judged")
     renamer = _Rename(check.args.args[0].arg, target)
@@ -253,10 +263,15 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
             shared.insert(0, statement)
             needed |= _loads(statement)
     checks = [_fast_check(s) for s in program if not _inert(s)]
+    judge_program = ast.unparse(ast.Module(program, []))
+    try:
+        compile(judge_program, "<test>", "exec")
+    except SyntaxError as err:
+        raise _test_error(f"the test does not compile once split: {err.msg}") from None
     return {
         "kind": "assert",
         "setup": ast.unparse(ast.Module(shared, [])),
         "exprs": exprs,
-        "program": ast.unparse(ast.Module(program, [])),
+        "program": judge_program,
         "checks": None if None in checks else checks,
     }
