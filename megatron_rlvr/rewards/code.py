@@ -26,8 +26,7 @@ import math
 import re
 from typing import Any
 
-from megatron_rlvr.errors import UserError
-from megatron_rlvr.rewards.code_asserts import split_asserts
+from megatron_rlvr.rewards.code_asserts import CodeTestError, split_asserts
 from megatron_rlvr.rewards.code_values import decode_value
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 
@@ -46,10 +45,6 @@ FAILURES = frozenset(
     }
 )
 _TO_SANDBOX = {"stdio": ("kind", "input"), "call": ("kind", "fn", "args"), "assert": ("kind", "setup", "exprs")}
-
-
-class CodeTestError(UserError, ValueError):
-    """A record's tests are in no shape the verifier knows."""
 
 
 def _text(value: Any) -> str:

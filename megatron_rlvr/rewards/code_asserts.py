@@ -21,15 +21,15 @@ import sys
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from megatron_rlvr.errors import UserError
+
 PLACEHOLDER = "_rlvr_value_{}"
 _BUILTINS = frozenset(dir(builtins))
 _SPLITTABLE = (ast.Assert, ast.Expr, ast.Assign)
 
 
-def _test_error(message: str) -> Exception:
-    from megatron_rlvr.rewards.code import CodeTestError
-
-    return CodeTestError(message)
+class CodeTestError(UserError, ValueError):
+    """A record's tests are in no shape the verifier knows, or cannot be judged safely."""
 
 
 class _Rename(ast.NodeTransformer):
@@ -54,10 +54,12 @@ def _own_nodes(function: ast.FunctionDef) -> Iterator[ast.AST]:
 
 def _inline_check(check: ast.FunctionDef, target: str) -> list[ast.stmt]:
     if not check.args.args:
-        raise _test_error("check() takes no argument: nothing to pass the solution to")
+        raise CodeTestError("check() takes no argument: nothing to pass the solution to")
     for node in _own_nodes(check):
         if isinstance(node, (ast.Return, ast.Global, ast.Nonlocal, ast.Yield, ast.YieldFrom)):
-            raise _test_error(f"check() line {node.lineno}: a {type(node).__name__.lower()} statement cannot be judged")
+            raise CodeTestError(
+                f"check() line {node.lineno}: a {type(node).__name__.lower()} statement cannot be judged"
+            )
     renamer = _Rename(check.args.args[0].arg, target)
     return [renamer.visit(statement) for statement in check.body]
 
@@ -74,7 +76,7 @@ def _flatten(module: ast.Module, entry_point: str | None) -> list[ast.stmt]:
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Name) and call.func.id in checks:
             target = entry_point or (call.args[0].id if call.args and isinstance(call.args[0], ast.Name) else None)
             if target is None:
-                raise _test_error(f"line {statement.lineno}: check() is called with no function name")
+                raise CodeTestError(f"line {statement.lineno}: check() is called with no function name")
             statements += _inline_check(checks[call.func.id], target)
             called = True
         else:
@@ -83,7 +85,7 @@ def _flatten(module: ast.Module, entry_point: str | None) -> list[ast.stmt]:
         statements = [_Rename("candidate", entry_point).visit(s) for s in statements]
     if checks and not called:
         if not entry_point:
-            raise _test_error("the test defines check() but nothing calls it and no entry_point names the function")
+            raise CodeTestError("the test defines check() but nothing calls it and no entry_point names the function")
         statements += _inline_check(checks["check"], entry_point)
     return statements
 
@@ -215,7 +217,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
     try:
         module = ast.parse(code)
     except (SyntaxError, ValueError) as err:
-        raise _test_error(f"the test code does not parse: {err}") from None
+        raise CodeTestError(f"the test code does not parse: {err}") from None
     statements = _flatten(module, entry_point)
     statements = [ast.Import([ast.alias(name)]) for name in _unimported_modules(statements)] + statements
     bound = _bound_names(list(statements))
@@ -237,7 +239,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
             continue
         if not isinstance(statement, _SPLITTABLE):
             kind = type(statement).__name__.lower()
-            raise _test_error(
+            raise CodeTestError(
                 f"test line {statement.lineno}: a {kind} statement calls the solution; only assert, assignment "
                 "and expression statements can be judged outside the solution's process"
             )
@@ -248,14 +250,14 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
         for node in splitter.taken[first:]:
             unknown = sorted(_loads(node) - _bound_names([node]) - inputs)
             if unknown:
-                raise _test_error(
+                raise CodeTestError(
                     f"test line {node.lineno}: the call under test uses {unknown[0]!r}, which the test binds in a "
                     "loop, a comprehension or from the solution's results; it cannot be judged outside its process"
                 )
             exprs.append([ast.unparse(node), node is not whole])  # an expression statement's value is unused
         program.append(statement)
     if not exprs:
-        raise _test_error("the test never calls the solution")
+        raise CodeTestError("the test never calls the solution")
     needed = {n for source, _ in exprs for n in _loads(ast.parse(source, mode="eval"))}
     shared: list[ast.stmt] = []
     for statement in reversed(setup):  # what the calls under test need: imports, inputs, helpers
@@ -267,7 +269,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
     try:
         compile(judge_program, "<test>", "exec")
     except SyntaxError as err:
-        raise _test_error(f"the test does not compile once split: {err.msg}") from None
+        raise CodeTestError(f"the test does not compile once split: {err.msg}") from None
     return {
         "kind": "assert",
         "setup": ast.unparse(ast.Module(shared, [])),
