@@ -58,7 +58,12 @@ class HFStep:
 def main() -> None:
     args = step_benchmark_args(__doc__)
     cfg = load_config(
-        None, [f"trainer.micro_batch_size={args.batch}", "trainer.distributed_optimizer=false", "algo.tis_cap=null"]
+        None,
+        [
+            f"trainer.micro_batch_size={args.batch}",
+            "trainer.distributed_optimizer=false",
+            "algo.rollout_correction.rollout_is=null",
+        ],
     )
     hf_dir = build_tiny_hf_model(TinyModel(), tempfile.mkdtemp(), vocab_size=128)
     init_parallel(cfg.parallel, Rendezvous(rank=0, world_size=1, master_port=free_port()))

@@ -7,7 +7,7 @@ import math
 
 import torch
 
-from megatron_rlvr.algo.advantages import group_advantages
+from megatron_rlvr.algo.baselines import AdvantageOptions, EmaBaselines, advantages_of_groups
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, pack_routed_experts
 from megatron_rlvr.samples import Group
@@ -16,13 +16,15 @@ from megatron_rlvr.samples import Group
 def groups_to_batch(
     groups: list[Group],
     *,
-    normalize_std: bool,
+    advantage: AdvantageOptions,
+    ema: EmaBaselines | None = None,
     pad_id: int = 0,
     routing: tuple[int, int] | None = None,
     slots: int = 1,
     micro_batch_size: int | None = None,
 ) -> TrainBatch:
-    """routing: (num_layers, top_k) to carry the engine's routed experts (R3). slots: the
+    """advantage: the baseline and reward shaping (ema: the per-prompt state of the
+    exponential_moving_average baseline, updated here). routing: (num_layers, top_k) to carry the engine's routed experts (R3). slots: the
     learner's mini-batches × data-parallel ranks, each a contiguous run of rows: a batch that
     does not fill them evenly (a short batch at the generation bound) is laid out by
     spread_over_slots."""
@@ -37,14 +39,8 @@ def groups_to_batch(
         ids[row, :end] = torch.tensor(tokens)
         mask[row, start:end] = 1
         rollout[row, start:end] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-    advantages = torch.cat(
-        [
-            group_advantages(
-                torch.tensor([[s.reward for s in g.samples]], dtype=torch.float32), normalize_std=normalize_std
-            )[0]
-            for g in groups
-        ]
-    )
+    rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
+    advantages = torch.cat(advantages_of_groups(rewards, advantage, prompt_ids=[g.prompt_id for g in groups], ema=ema))
     batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout)
     if routing is not None:
         layers, top_k = routing

@@ -101,7 +101,9 @@ def _run(args: argparse.Namespace) -> int:
     return convert.main(args, stop)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line as `megatron-rlvr` reads it (a usage error exits 2); the docs' test
+    parses every command the docs show through this."""
     parser = _parser()
     # Overrides may come before or after flags (`train C --dry-run a.b=1`): collect the
     # leftover key=value words ourselves, since argparse stops a positional list at a flag.
@@ -113,6 +115,11 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = [*args.overrides, *extra]
     elif extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         return _run(args)
     except UserError as err:  # the one place errors meant for the user are printed

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_rlvr.algo.ema_state import EmaBaselines
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
 from megatron_rlvr.errors import UserError, original
@@ -33,8 +34,16 @@ from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from megatron_rlvr.evaluation import Evaluator
-    from megatron_rlvr.launch.placement import Placement
+    from megatron_rlvr.launch.engines import EngineFleet
+    from megatron_rlvr.launch.learners import LearnerGroup
+    from megatron_rlvr.launch.placement import AsyncProxy, Placement
+    from megatron_rlvr.launch.verifiers import VerifierPool
+    from megatron_rlvr.rollout.client import EngineClient
+    from megatron_rlvr.rollout.manager import RolloutManager
+    from megatron_rlvr.rollout.sampler import ActiveSampler
 
 log = logging.getLogger(__name__)
 # an engine dying just as a sync begins is survived this many times in a row
@@ -93,23 +102,30 @@ class LoopThread:
         self.loop.close()
 
 
+def _made_by_start() -> Any:
+    """None: a component _start() has not made yet. Run's component fields are typed as what
+    _start() puts there, since everything but _teardown runs after it; _teardown checks for None."""
+    return None
+
+
 @dataclass
 class Run:
     cfg: ResolvedConfig
     model_dir: Path
-    tokenizer: Any  # transformers' AutoTokenizer
+    tokenizer: PreTrainedTokenizerBase
     stop: StopSignals
     rollout: LoopThread = field(default_factory=LoopThread)
     # the components _start() makes, in this order (None until then: _teardown stops those made)
-    engines: Any = None  # launch.engines.EngineFleet
-    learners: Any = None  # launch.learners.LearnerGroup
-    clients: list = field(default_factory=list)
-    manager: Any = None  # rollout.manager.RolloutManager
-    buffer: Any = None  # buffer.buffer.Buffer, through an AsyncProxy
-    verifiers: Any = None  # launch.verifiers.VerifierPool
-    sampler: Any = None  # rollout.sampler.ActiveSampler
+    engines: EngineFleet = field(default_factory=_made_by_start)
+    learners: LearnerGroup = field(default_factory=_made_by_start)
+    clients: list[EngineClient] = field(default_factory=list)
+    manager: RolloutManager = field(default_factory=_made_by_start)
+    buffer: AsyncProxy = field(default_factory=_made_by_start)  # the buffer.Buffer, where placement put it
+    verifiers: VerifierPool = field(default_factory=_made_by_start)
+    sampler: ActiveSampler = field(default_factory=_made_by_start)
     evaluator: Evaluator | None = None  # when eval.sets are given
     data_stats: dict = field(default_factory=dict)  # data/* counts, logged once
+    ema_baselines: EmaBaselines = field(default_factory=EmaBaselines)  # algo.advantage's per-prompt EMA
     version: int = 0
     finished_step: int = 0  # the last step whose metrics were logged
     trained_step: int = 0  # the last step the learner trained (ahead of finished_step mid-step)
@@ -199,6 +215,7 @@ class Run:
                 "step": step,
                 "version": self.version,
                 "sampler": self.sampler.state(),
+                "ema_baselines": self.ema_baselines.to_dict(),
                 "buffer": await self.buffer.state(),
                 "manager": dict(self.manager.stats),
                 "trained_groups": self.trained_groups,
@@ -255,6 +272,7 @@ class Run:
 
         async def restore() -> None:
             self.sampler.load_state(state["sampler"])
+            self.ema_baselines = EmaBaselines.from_dict(state.get("ema_baselines", {"values": {}}))
             await self.buffer.load_state(state["buffer"])
             self.manager.stats.update(state["manager"])
 

@@ -12,6 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
+from megatron_rlvr.algo.from_config import advantage_options
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.reporting import RunReport
@@ -34,6 +35,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
     stop = stop or StopSignals()
     outcome = Outcome()
     steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout
+    advantage = advantage_options(cfg.algo)
     with open_run(cfg, stop) as run:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
         report = RunReport.for_run(cfg, first_step=first, once=run.data_stats)
@@ -50,13 +52,15 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                     run.request_batch(run.version + 1)
                 batch = groups_to_batch(
                     groups,
-                    normalize_std=cfg.algo.normalize_std,
+                    advantage=advantage,
+                    ema=run.ema_baselines,
                     pad_id=run.tokenizer.pad_token_id or 0,
                     routing=run.routing_shape,
                     slots=cfg.algo.num_minibatches * cfg.parallel.dp,
                     micro_batch_size=cfg.trainer.micro_batch_size,
                 )
-                batch.old_logprobs = run.learners.compute_logprobs(batch)
+                bypass = cfg.algo.rollout_correction.bypass_mode  # the engine's logprobs are the old ones
+                batch.old_logprobs = batch.rollout_logprobs if bypass else run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)
                 run.version += 1
                 run.trained_step = step

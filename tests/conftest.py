@@ -1,6 +1,13 @@
+from pathlib import Path
+
 import pytest
 
 from megatron_rlvr.config import TinyModel
+
+REPO = Path(__file__).resolve().parents[1]
+# where runs started from the clone write by default (every shipped config's trainer.output_dir,
+# compare-replay's and convert's outputs): a user's runs live here, so tests never touch them
+USER_OUTPUT_DIRS = ("runs", "outputs")
 
 VOCAB = 96  # divisible by every tensor-parallel size the tests use
 
@@ -16,6 +23,27 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _user_outputs() -> dict[str, float]:
+    """Every path under the clone's user output folders, two levels deep, with its mtime."""
+    found = {}
+    for name in USER_OUTPUT_DIRS:
+        root = REPO / name
+        for path in [root, *root.glob("*"), *root.glob("*/*")] if root.exists() else []:
+            found[str(path.relative_to(REPO))] = path.stat().st_mtime
+    return found
+
+
+@pytest.fixture(autouse=True)
+def leaves_user_runs_alone():
+    """Fails a test that wrote into the clone's runs/ or outputs/: every test keeps its outputs
+    under tmp_path (a run the user left there must neither be changed nor change a result)."""
+    before = _user_outputs()
+    yield
+    after = _user_outputs()
+    changed = sorted(set(before) ^ set(after) | {p for p in before.keys() & after.keys() if before[p] != after[p]})
+    assert not changed, f"the test wrote into the clone's own output folders: {changed[:5]}"
 
 
 @pytest.fixture(scope="session")

@@ -68,7 +68,7 @@ def _problems(overrides, path=TINY):
         (["algo.clip_high=-0.1"], "algo.clip_high = -0.1"),
         (["algo.clip_ratio_c=0.5"], "algo.clip_ratio_c = 0.5: must be > 1"),
         (["algo.kind=gspo", "algo.clip_ratio_c=3"], "dual clip is for kind grpo"),
-        (["algo.tis_cap=0.5"], "algo.tis_cap = 0.5"),
+        (["algo.tis_cap=0.5"], "algo.tis_cap: moved to algo.rollout_correction.rollout_is_threshold"),
         (["algo.routing_replay=r3", "rollout.return_routed_experts=false"], "rollout.return_routed_experts = false"),
         (["algo.kind=ppo"], "algo.kind = 'ppo'"),
         (["algo.clip_lo=0.1"], "algo.clip_lo: unknown field (did you mean clip_low?)"),

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from megatron_rlvr.config import ConfigError, CpuEngine, SglangEngine, load_config
-from megatron_rlvr.launch.engines import engine_gpus
+from megatron_rlvr.launch.placement import engine_gpus
 from megatron_rlvr.rollout import launcher
 from megatron_rlvr.rollout.launcher import EngineStartError, ServerProcess, cpu_binding, engine_process, failure_reason
 

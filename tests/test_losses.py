@@ -5,9 +5,11 @@ import math
 import pytest
 import torch
 
+from megatron_rlvr.algo.corrections import RolloutCorrection
 from megatron_rlvr.algo.losses import policy_loss
 
 CLIP = dict(clip_low=0.2, clip_high=0.28)
+TIS2 = RolloutCorrection(is_level="token", is_upper=2.0)  # the default config's correction
 
 
 def _ratios_batch(ratios, advantages):
@@ -101,24 +103,23 @@ def test_tis_weights_each_token_by_capped_ratio(level):
         torch.ones(1, 3),
         kind="grpo",
         rollout_logprobs=rollout,
-        tis_cap=2.0,
-        tis_level=level,
+        correction=RolloutCorrection(is_level=level, is_upper=2.0),
         **CLIP,
     )
     weights = [1.0, 0.5, 2.0] if level == "token" else [1.5, 1.5, 1.5]
     assert loss.item() == pytest.approx(-sum(weights) / 3)
-    assert m["tis_weight_mean"].item() == pytest.approx(sum(weights) / 3)
+    assert m["rollout_is_mean"].item() == pytest.approx(sum(weights) / 3)
     assert "mismatch_abs_max" in m and m["mismatch_abs_max"].item() == pytest.approx(math.log(3.0))
     loss.backward()
     torch.testing.assert_close(logprobs.grad, -torch.tensor([weights], dtype=torch.float64) / 3)
 
 
-def test_no_tis_without_cap():
+def test_no_weights_without_a_correction():
     logprobs, old, adv = _ratios_batch([[1.0, 1.0]], [1.0])
     rollout = torch.full((1, 2), -5.0, dtype=torch.float64)
     loss, m = policy_loss(logprobs, old, adv, torch.ones(1, 2), kind="grpo", rollout_logprobs=rollout, **CLIP)
     assert loss.item() == pytest.approx(-1.0)
-    assert "tis_weight_mean" not in m and m["mismatch_abs_mean"].item() == pytest.approx(5.0)
+    assert "rollout_is_mean" not in m and m["mismatch_abs_mean"].item() == pytest.approx(5.0)
 
 
 def _unit_loss_batch():
@@ -187,13 +188,15 @@ def test_fully_masked_rows_and_garbage_padding_do_not_leak(kind, agg):
     mask = torch.tensor([[1, 1, 0, 0], [0, 0, 0, 0], [1, 1, 1, 0]], dtype=torch.float64)
     adv = torch.tensor([1.0, 5.0, -1.0], dtype=torch.float64)
     rollout = old.clone()
-    clean, _ = policy_loss(logprobs, old, adv, mask, kind=kind, agg=agg, rollout_logprobs=rollout, tis_cap=2.0, **CLIP)
+    clean, _ = policy_loss(
+        logprobs, old, adv, mask, kind=kind, agg=agg, rollout_logprobs=rollout, correction=TIS2, **CLIP
+    )
     (clean_grad,) = torch.autograd.grad(clean, logprobs)
     dirty_old, dirty_rollout = old.clone(), rollout.clone()
     dirty_old[mask == 0] = float("inf")
     dirty_rollout[mask == 0] = float("nan")
     dirty, m = policy_loss(
-        logprobs, dirty_old, adv, mask, kind=kind, agg=agg, rollout_logprobs=dirty_rollout, tis_cap=2.0, **CLIP
+        logprobs, dirty_old, adv, mask, kind=kind, agg=agg, rollout_logprobs=dirty_rollout, correction=TIS2, **CLIP
     )
     (dirty_grad,) = torch.autograd.grad(dirty, logprobs)
     assert torch.isfinite(dirty) and all(torch.isfinite(v).all() for v in m.values())
@@ -223,9 +226,12 @@ def test_token_level_advantages_accepted():
     [
         ("grpo", {}),
         ("grpo", {"clip_ratio_c": 3.0}),
-        ("grpo", {"tis_cap": 1.5, "agg": "seq-mean-token-mean"}),
+        ("grpo", {"correction": RolloutCorrection(is_upper=1.5), "agg": "seq-mean-token-mean"}),
         ("gspo", {"agg": "seq-mean-token-mean"}),
-        ("gspo", {"tis_cap": 1.5, "tis_level": "sequence", "agg": "seq-mean-token-sum-norm"}),
+        (
+            "gspo",
+            {"correction": RolloutCorrection(is_level="sequence", is_upper=1.5), "agg": "seq-mean-token-sum-norm"},
+        ),
     ],
 )
 def test_gradcheck_float64(kind, extra):
@@ -239,7 +245,7 @@ def test_gradcheck_float64(kind, extra):
     adv = torch.tensor([1.0, -1.0, 0.5, -2.0], dtype=torch.float64)
     rollout = old + 0.1 * torch.randn(4, 6, dtype=torch.float64)
     clip = CLIP if kind == "grpo" else dict(clip_low=3e-4, clip_high=4e-4)
-    tis = {"rollout_logprobs": rollout} if "tis_cap" in extra else {}
+    tis = {"rollout_logprobs": rollout} if "correction" in extra else {}
 
     def fn(lp):
         return policy_loss(lp, old, adv, mask, kind=kind, **clip, **tis, **extra)[0]

@@ -1,5 +1,6 @@
-"""The README's layout table matches the tree: every path it names exists, and every
-package and top-level module of megatron_rlvr, and every top-level folder, is in it."""
+"""The layout table (docs/developers.md, "Layout") matches the tree: every path it names
+exists, and every package and top-level module of megatron_rlvr, and every top-level folder,
+is in it."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 def layout_rows() -> list[str]:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "developers.md").read_text()
     section = text.split("\n## Layout\n", 1)[1].split("\n## ", 1)[0]
     return [line for line in section.splitlines() if line.startswith("| `")]
 
@@ -27,7 +28,7 @@ def named_paths() -> list[str]:
 def test_every_path_the_layout_names_exists():
     for path in named_paths():
         candidates = [REPO / path, REPO / "megatron_rlvr" / path]
-        assert any(p.exists() for p in candidates), f"README layout names {path!r}, which is not in the tree"
+        assert any(p.exists() for p in candidates), f"the layout table names {path!r}, which is not in the tree"
 
 
 def test_every_package_module_and_folder_is_in_the_layout():
@@ -38,6 +39,6 @@ def test_every_package_module_and_folder_is_in_the_layout():
         if item.name.startswith(("_", ".")):
             continue
         if item.is_dir() or item.suffix == ".py":
-            assert item.name in flat, f"megatron_rlvr/{item.name} is not in the README's layout table"
-    for folder in ("benchmarks", "configs", "scripts", "tests", "tools"):
-        assert f"{folder}/" in named, f"{folder}/ is not in the README's layout table"
+            assert item.name in flat, f"megatron_rlvr/{item.name} is not in the layout table (docs/developers.md)"
+    for folder in ("benchmarks", "configs", "docs", "scripts", "slurm", "tests", "tools"):
+        assert f"{folder}/" in named, f"{folder}/ is not in the layout table (docs/developers.md)"

@@ -209,8 +209,8 @@ def test_config_errors_are_reported_like_train():
     assert all(line.startswith("config error: ") for line in out.stderr.splitlines())
 
 
-def test_no_sbatch_on_path_is_a_clear_message():
-    out = _submit(TINY, "--nodes", 2, "--gpus-per-node", 0)
+def test_no_sbatch_on_path_is_a_clear_message(tmp_path):
+    out = _submit(TINY, f"trainer.output_dir={tmp_path / 'run'}", "--nodes", 2, "--gpus-per-node", 0)
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert out.stderr.splitlines() == [
         "megatron-rlvr submit: sbatch not found on PATH: run this on a Slurm login node "
@@ -274,8 +274,8 @@ def test_follow_streams_the_timeline(tmp_path, capsys, monkeypatch):
     assert "  | [12:00:00 +0.0s] job 7 on 2 nodes" in out and "partial" not in out  # whole lines only
 
 
-def test_readme_shows_the_recipes_as_rendered():
-    readme = (REPO / "README.md").read_text()
+def test_the_slurm_page_shows_the_recipes_as_rendered():
+    readme = (REPO / "docs" / "slurm.md").read_text()
     shared = Path("/shared/megatron-rlvr")
     for config, nodes, model in ((QWEN3_30B, 4, "Qwen3-30B-A3B"), (QWEN3_235B, 16, "Qwen3-235B-A22B")):
         name = config.stem

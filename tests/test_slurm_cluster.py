@@ -4,7 +4,7 @@ on this machine), and a 2-node CPU training job submitted through `megatron-rlvr
 The test installs Slurm with apt when it is missing (root, Debian: munge slurmctld slurmd
 slurm-client) and skips, with the exact reason, only where that is impossible. Everything it
 starts is private: its own munged socket and key, its own slurm.conf (SLURM_CONF), its own
-ports; it stops exactly the daemons it started, by pid. See ../shared/notes/slurm-and-ray-in-ci.md.
+ports; it stops exactly the daemons it started, by pid. How it works: docs/slurm.md (the real-Slurm test tier).
 """
 
 from __future__ import annotations

@@ -1,9 +1,12 @@
 """Group-relative advantages: each response is scored against the other responses to the
-same prompt, so no value network is needed."""
+same prompt, so no value network is needed. The baselines and reward shaping are in
+algo/baselines.py; this is their default (GRPO's group mean) over a [G, n] table."""
 
 from __future__ import annotations
 
 import torch
+
+from megatron_rlvr.algo.baselines import AdvantageOptions, advantages_of_groups
 
 
 def group_advantages(rewards: torch.Tensor, *, normalize_std: bool, eps: float = 1e-6) -> torch.Tensor:
@@ -16,15 +19,7 @@ def group_advantages(rewards: torch.Tensor, *, normalize_std: bool, eps: float =
     """
     if rewards.dim() != 2:
         raise ValueError(f"rewards must be [groups, samples], got shape {tuple(rewards.shape)}")
-    rewards = rewards.to(torch.promote_types(rewards.dtype, torch.float32))
-    n = rewards.shape[1]
-    if n < 2:
-        return torch.zeros_like(rewards)
-    # Shift by a member first: identical rewards then centre to exactly 0 (a float mean of
-    # 0.7s is not exactly 0.7, and that ulp divided by std + eps becomes a fake advantage).
-    shifted = rewards - rewards[:, :1]
-    centered = shifted - shifted.mean(dim=1, keepdim=True)
-    if not normalize_std:
-        return centered
-    std = shifted.std(dim=1, keepdim=True, unbiased=True)
-    return centered / (std + eps)
+    if rewards.shape[0] == 0:
+        return rewards.to(torch.promote_types(rewards.dtype, torch.float32))
+    options = AdvantageOptions(normalize_std=normalize_std, eps=eps)
+    return torch.stack(advantages_of_groups(list(rewards), options))

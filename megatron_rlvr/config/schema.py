@@ -11,6 +11,7 @@ from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
 from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, VerifierConfig
 from megatron_rlvr.config.model import ModelConfig, TinyModel
+from megatron_rlvr.config.rejection import parse_rejection
 
 
 # ----------------------------------------------------------------------------- parallel
@@ -29,27 +30,139 @@ class ParallelConfig(Section):
 
 
 # ----------------------------------------------------------------------------- algo
-LossKind = Literal["grpo", "gspo"]
+LossKind = Literal["grpo", "gspo", "minirl", "rec", "opmd", "asymre"]
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 # Clip ranges each loss is designed for: PPO-style token clip with clip-higher (DAPO) for
-# GRPO; GSPO's sequence ratio lives within ~1e-3 of 1, so its range is tiny.
-DEFAULT_CLIP = {"grpo": (0.2, 0.28), "gspo": (3e-4, 4e-4)}
+# GRPO and MiniRL; GSPO's sequence ratio lives within ~1e-3 of 1, so its range is tiny; REC's
+# symmetric ε = 0.2 (Trinity-RFT); OPMD and AsymRE do not clip (the values are unused).
+DEFAULT_CLIP = {
+    "grpo": (0.2, 0.28),
+    "gspo": (3e-4, 4e-4),
+    "minirl": (0.2, 0.28),
+    "rec": (0.2, 0.2),
+    "opmd": (0.2, 0.2),
+    "asymre": (0.2, 0.2),
+}
+ASYMRE_SHIFT = -0.1  # AsymRE's baseline: the group mean shifted down by 0.1
+
+
+class RolloutCorrectionConfig(Section):
+    """Correction for the engine's policy μ differing from the learner's π_old (numerics,
+    staleness), with verl 0.9.1's `algorithm.rollout_correction` names and meanings."""
+
+    rollout_is: Literal["token", "sequence", "geometric"] | None = Field(
+        "token",
+        description="importance weights pi_old/mu per token, per sequence (product of the tokens'), or the "
+        "sequence's geometric mean (ours, not verl's); None: no weights",
+    )
+    rollout_is_threshold: float = Field(
+        2.0, gt=0.0, le=1e6, description="upper threshold of the weights: truncated to it (TIS), or see _lower"
+    )
+    rollout_is_threshold_lower: float | None = Field(
+        None,
+        ge=0.0,
+        description="IcePop: weights outside [lower, upper] are zeroed instead of truncated (verl's "
+        "'lower_upper' string); 0 zeroes only those above upper (AReaL's behav_imp_weight_cap); None: TIS",
+    )
+    rollout_is_batch_normalize: bool = Field(
+        False, description="divide the weights by their mean (per micro-batch) so they average 1"
+    )
+    rollout_rs: str | None = Field(
+        None,
+        description="rejection: comma-separated verl options token_k1..3, seq_sum_k1..3, seq_mean_k1..3, "
+        "seq_max_k2..3 (token: mask the token; seq: drop the sequence); None: off",
+    )
+    rollout_rs_threshold: str | float | None = Field(
+        None,
+        description="one threshold, or one per rollout_rs option, comma-separated; k1: 'lower_upper' ratio "
+        "bounds or an upper u (lower 1/u); k2, k3: an upper bound on the divergence",
+    )
+    bypass_mode: bool = Field(
+        False,
+        description="use the engine's logprobs as the old ones and skip the learner's old-logprob pass",
+    )
+    loss_type: Literal["ppo_clip", "reinforce"] = Field(
+        "ppo_clip",
+        description="bypass mode's loss: ppo_clip (the ratio pi/mu, no weights) or reinforce (-w·A·log pi)",
+    )
+
+
+class StaleNegativesConfig(Section):
+    """Separate weight bounds by the sign of the advantage: off-policy positive samples are
+    kept up to positive_cap, negative ones clamped into [negative_floor, negative_cap]."""
+
+    enabled: bool = Field(False, description="replace the truncation of rollout_correction's weights")
+    positive_cap: float = Field(10.0, ge=1.0, le=1e6, description="upper bound of a positive-advantage weight")
+    negative_cap: float = Field(1.0, gt=0.0, le=1e6, description="upper bound of a negative-advantage weight")
+    negative_floor: float = Field(0.5, ge=0.0, description="lower bound of a negative-advantage weight")
+
+
+class RecConfig(Section):
+    """REC (kind rec, Trinity-RFT's options); its ε_low/ε_high are algo.clip_low/clip_high."""
+
+    clip_mode: Literal["none", "one-side", "two-side", "ring", "gspo-one-side"] = Field(
+        "none", description="which tokens keep a gradient, by their detached ratio pi/pi_old"
+    )
+    weight: Literal[
+        "none", "importance_sampling", "truncated_importance_sampling", "gspo_importance_sampling", "advantage"
+    ] = Field("none", description="what multiplies the advantage: r, min(r, is_cap), the sequence's r, exp(A/temp)")
+    regularizer: Literal["none", "k2", "forward-kl"] = Field(
+        "none", description="k2: coef·(log pi - log pi_old)^2; forward-kl: -coef·log pi"
+    )
+    regularizer_coef: float = Field(0.0, ge=0.0, le=1e3, description="the regulariser's weight")
+    epsilon_low_prime: float = Field(0.6, gt=0.0, le=1.0, description="ring: A >= 0 also kept where r <= 1 - this")
+    epsilon_high_prime: float = Field(2.0, gt=0.0, le=1e3, description="ring: A <= 0 also kept where r >= 1 + this")
+    temp: float = Field(1.0, gt=0.0, le=1e3, description="weight advantage: the temperature of exp(A/temp)")
+    is_cap: float = Field(2.0, ge=1.0, le=1e6, description="weight truncated_importance_sampling: the cap")
+
+
+class AdvantageConfig(Section):
+    """How rewards become advantages: reward shaping, then the baseline of the group."""
+
+    baseline_type: Literal["group_mean", "group_median", "rloo", "log_avg_exp", "exponential_moving_average"] = Field(
+        "group_mean",
+        description="group_mean (GRPO), group_median, rloo (the others' mean), log_avg_exp (OPMD, "
+        "temperature algo.opmd.tau), exponential_moving_average (per prompt, of past group means)",
+    )
+    baseline_shift: float | None = Field(
+        None, ge=-1e3, le=1e3, description="added to the baseline; None: -0.1 for kind asymre, else 0"
+    )
+    ema_decay: float = Field(0.9, ge=0.0, lt=1.0, description="exponential_moving_average: weight of the past")
+    reward_scale: float = Field(1.0, gt=0.0, le=1e6, description="rewards are multiplied by this first")
+    reward_clip: float | None = Field(
+        None, gt=0.0, description="then clipped to [-reward_clip, reward_clip]; None: not clipped"
+    )
+
+
+class OpmdConfig(Section):
+    """OPMD and AsymRE (kinds opmd, asymre): the loss -A·log pi divided by 1 + tau."""
+
+    tau: float = Field(1.0, gt=0.0, le=1e3, description="regularisation strength (and log_avg_exp's temperature)")
 
 
 class AlgoConfig(Section):
     """Policy-gradient algorithm: advantages, loss, clipping, importance correction, replay."""
 
-    kind: LossKind = Field("grpo", description="grpo: token ratio; gspo: sequence ratio")
+    kind: LossKind = Field(
+        "grpo",
+        description="grpo: token ratio; gspo: sequence ratio; minirl: token ratio with MiniRL's mask; "
+        "rec, opmd, asymre: the off-policy REINFORCE family",
+    )
     normalize_std: bool = Field(True, description="divide advantages by the group std (GRPO); false: Dr.GRPO")
     clip_low: float | None = Field(None, description="ratio clip 1 - clip_low; None: per kind")
     clip_high: float | None = Field(None, description="ratio clip 1 + clip_high; None: per kind")
     clip_ratio_c: float | None = Field(None, description="dual-clip bound for negative advantages (> 1), None: off")
     agg: AggMode = Field("token-mean", description="how per-token losses become one loss")
-    tis_cap: float | None = Field(2.0, description="truncated importance sampling cap on pi_old/pi_rollout; None: off")
-    tis_level: Literal["token", "sequence"] = Field(
-        "token", description="the TIS ratio per token, or one per sequence (the product of its tokens')"
+    rollout_correction: RolloutCorrectionConfig = Field(
+        default_factory=RolloutCorrectionConfig, description="importance weights and rejection for pi_old vs mu"
     )
+    stale_negatives: StaleNegativesConfig = Field(
+        default_factory=StaleNegativesConfig, description="weight bounds by the advantage's sign"
+    )
+    rec: RecConfig = Field(default_factory=RecConfig, description="REC's options (kind rec)")
+    opmd: OpmdConfig = Field(default_factory=OpmdConfig, description="OPMD/AsymRE's options")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="baseline and reward shaping")
     routing_replay: Literal["none", "r2", "r3"] = Field(
         "none", description="r2: replay the learner's own routing; r3: the engine's"
     )
@@ -61,6 +174,17 @@ class AlgoConfig(Section):
     )
     num_minibatches: PositiveInt = Field(1, description="optimizer steps per rollout batch (>1 is off-policy)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _moved(cls, data: object) -> object:
+        if isinstance(data, dict):
+            moved = {
+                "tis_cap": "algo.rollout_correction.rollout_is_threshold (rollout_is: null turns it off)",
+                "tis_level": "algo.rollout_correction.rollout_is",
+            }
+            _raise([f"algo.{key}: moved to {where}" for key, where in moved.items() if key in data])
+        return data
+
     @model_validator(mode="after")
     def _check(self) -> AlgoConfig:
         problems = []
@@ -70,8 +194,35 @@ class AlgoConfig(Section):
             problems.append(f"algo.clip_high = {self.clip_high}: must be in (0, 10]")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             problems.append(f"algo.clip_ratio_c = {self.clip_ratio_c}: must be > 1 or null")
-        if self.tis_cap is not None and self.tis_cap < 1.0:
-            problems.append(f"algo.tis_cap = {self.tis_cap}: must be >= 1 or null")
+        rc = self.rollout_correction
+        key = "algo.rollout_correction"
+        if rc.rollout_is_threshold_lower is not None and rc.rollout_is_threshold_lower > rc.rollout_is_threshold:
+            problems.append(
+                f"{key}.rollout_is_threshold_lower = {rc.rollout_is_threshold_lower}: must be <= "
+                f"rollout_is_threshold ({rc.rollout_is_threshold})"
+            )
+        if rc.rollout_rs is not None or rc.rollout_rs_threshold is not None:
+            try:
+                parse_rejection(rc.rollout_rs, rc.rollout_rs_threshold)
+            except ValueError as err:
+                problems.append(f"{key}.rollout_rs = {rc.rollout_rs!r}: {err}")
+        if rc.rollout_rs is None and rc.rollout_rs_threshold is not None:
+            problems.append(f"{key}.rollout_rs_threshold = {rc.rollout_rs_threshold!r}: set rollout_rs too")
+        if rc.bypass_mode and rc.loss_type == "reinforce" and self.kind != "grpo":
+            problems.append(f"{key}.loss_type = reinforce: it replaces the loss of algo.kind = {self.kind}; use grpo")
+        if rc.bypass_mode and self.routing_replay == "r2":
+            problems.append(f"{key}.bypass_mode = true: r2 records its routing in the old-logprob pass it skips")
+        sn = self.stale_negatives
+        if sn.enabled and rc.rollout_is is None:
+            problems.append("algo.stale_negatives.enabled = true: needs algo.rollout_correction.rollout_is")
+        if sn.enabled and rc.bypass_mode and rc.loss_type == "ppo_clip":
+            problems.append(
+                "algo.stale_negatives.enabled = true: bypass ppo_clip applies no weights (loss_type reinforce does)"
+            )
+        if sn.negative_floor > sn.negative_cap:
+            problems.append(
+                f"algo.stale_negatives.negative_floor = {sn.negative_floor}: must be <= negative_cap ({sn.negative_cap})"
+            )
         _raise(problems)
         return self
 

@@ -82,14 +82,6 @@ class EngineHost:
             self.server.close(grace_s=10.0 if graceful else 0.0)
 
 
-def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
-    """Engine `index`'s GPU ids in a local run: its tp slice of `gpus`, or by default of the
-    GPUs after the learner's GPU 0 (engine 0 gets 1..tp, engine 1 the next tp, ...)."""
-    if gpus is None:
-        return list(range(1 + index * tp, 1 + (index + 1) * tp))
-    return gpus[index * tp : (index + 1) * tp]
-
-
 class EngineFleet:
     """All engines of a run; start() brings them up in parallel and stops all if one fails."""
 

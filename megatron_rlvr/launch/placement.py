@@ -220,6 +220,14 @@ class Placement(ABC):
         yield self
 
 
+def engine_gpus(gpus: list[int] | None, index: int, tp: int) -> list[int]:
+    """Engine `index`'s GPU ids in a local run: its tp slice of `gpus`, or by default of the
+    GPUs after the learner's GPU 0 (engine 0 gets 1..tp, engine 1 the next tp, ...)."""
+    if gpus is None:
+        return list(range(1 + index * tp, 1 + (index + 1) * tp))
+    return gpus[index * tp : (index + 1) * tp]
+
+
 class InProcess(Placement):
     """Everything in this process (engines as its child processes): one learner rank, no Ray.
     For debugging and the simplest runs."""
@@ -237,7 +245,6 @@ class InProcess(Placement):
             return None
         import torch
 
-        from megatron_rlvr.launch.engines import engine_gpus
         from megatron_rlvr.rollout.launcher import EngineStartError
 
         ids = engine_gpus(engine.gpus, index, engine.tp)

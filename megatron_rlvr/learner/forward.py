@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.algo.from_config import loss_options
 from megatron_rlvr.algo.losses import AGGREGATIONS, policy_loss
 from megatron_rlvr.algo.metrics import masked_mean
 from megatron_rlvr.config import AlgoConfig
@@ -108,32 +109,25 @@ def train_minibatch(
     from megatron.core import parallel_state as mpu
 
     scale = len(micro) * mpu.get_data_parallel_world_size()
+    options = loss_options(algo)
 
     def loss_fn(mb, output):
         device = output.device
         logprobs, entropy = logprobs_and_entropy(output, mb.input_ids, temperature)
         mask = mb.response_mask.to(device)
-        kwargs = {}
-        if mb.rollout_logprobs is not None:
-            kwargs.update(
-                rollout_logprobs=mb.rollout_logprobs.to(device), tis_cap=algo.tis_cap, tis_level=algo.tis_level
-            )
         if algo.agg == "seq-mean-token-sum-norm":
             agg_normalizer = sum_norm_divisor
         else:
             agg_normalizer = normalizer
+        rollout = mb.rollout_logprobs.to(device) if mb.rollout_logprobs is not None else None
         loss, metrics = policy_loss(
             logprobs,
             mb.old_logprobs.to(device),
             mb.advantages.to(device),
             mask,
-            kind=algo.kind,
-            clip_low=algo.clip_low,
-            clip_high=algo.clip_high,
-            clip_ratio_c=algo.clip_ratio_c,
-            agg=algo.agg,
             agg_normalizer=agg_normalizer,
-            **kwargs,
+            rollout_logprobs=rollout,
+            **options,
         )
         if algo.entropy_coef:  # a bonus: higher entropy lowers the loss, against collapse
             loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, mask, agg_normalizer)
@@ -194,6 +188,8 @@ METRIC_NAMES = (  # every metric the loss reports, in one order all ranks agree 
     "clipfrac_high_side",
     "clipfrac_low_side",
     "clipfrac_lower",
+    "clipfrac_neg",
+    "clipfrac_pos",
     "entropy",
     "mismatch_abs_max",
     "mismatch_abs_mean",
@@ -201,6 +197,15 @@ METRIC_NAMES = (  # every metric the loss reports, in one order all ranks agree 
     "policy_loss",
     "ratio_max",
     "ratio_mean",
-    "tis_clipfrac",
-    "tis_weight_mean",
+    "rollout_is_clipfrac",
+    "rollout_is_clipfrac_neg",
+    "rollout_is_clipfrac_pos",
+    "rollout_is_max",
+    "rollout_is_mean",
+    "rollout_is_mean_neg",
+    "rollout_is_mean_pos",
+    "rollout_rs_masked_fraction",
+    "rollout_rs_masked_fraction_neg",
+    "rollout_rs_masked_fraction_pos",
+    "rollout_rs_seq_masked_fraction",
 )

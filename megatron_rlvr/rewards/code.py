@@ -29,8 +29,8 @@ from typing import Any
 from megatron_rlvr.rewards.code_asserts import CodeTestError, split_asserts
 from megatron_rlvr.rewards.code_values import decode_value
 from megatron_rlvr.rewards.reasoning import strip_reasoning
+from megatron_rlvr.rewards.verdict import Verdict
 
-Verdict = tuple[float, str]
 FAILURES = frozenset(
     {
         "wrong_answer",

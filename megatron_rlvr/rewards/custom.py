@@ -16,8 +16,7 @@ import importlib.util
 from pathlib import Path
 
 from megatron_rlvr.errors import UserError
-
-Verdict = tuple[float, str]
+from megatron_rlvr.rewards.verdict import Verdict
 
 
 class FunctionSpecError(UserError):

@@ -21,8 +21,8 @@ from megatron_rlvr.rewards.math_parse import parse_answer, text_node
 from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
 from megatron_rlvr.rewards.math_tokens import tokenize
 from megatron_rlvr.rewards.sandbox import SandboxPool
+from megatron_rlvr.rewards.verdict import Verdict
 
-Verdict = tuple[float, str]
 _FAST = FastBackend()
 
 

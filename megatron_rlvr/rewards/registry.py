@@ -11,8 +11,7 @@ from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rewards.code import CodeVerifier
 from megatron_rlvr.rewards.custom import FunctionVerifier
 from megatron_rlvr.rewards.math import MathVerifier
-
-Verdict = tuple[float, str]
+from megatron_rlvr.rewards.verdict import Verdict
 
 
 class Verifiers:

@@ -11,6 +11,7 @@ the timeout and never sees an exception.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import selectors
@@ -25,6 +26,8 @@ from megatron_rlvr.rewards.math_parse import parse_answer
 from megatron_rlvr.rewards.math_text import AnswerError
 
 MAX_START_FAILURES = 3
+# a worker that has not said ready this long after its start is replaced (a hung start-up)
+START_TIMEOUT_S = 60.0
 
 
 # ============================================================================ worker side
@@ -66,6 +69,7 @@ def _serve(memory_mb: int) -> None:
 @dataclass
 class _Worker:
     proc: subprocess.Popen
+    start_deadline: float
     buffer: bytes = b""
     ready: bool = False
     task: int | None = None
@@ -73,7 +77,7 @@ class _Worker:
     replies: deque = field(default_factory=deque)
 
     def read(self) -> bool:
-        """Reads what is available; False on EOF (the worker died)."""
+        """Reads what is available; False on EOF (the worker died) or a line outside the protocol."""
         assert self.proc.stdout is not None  # started with stdout=PIPE
         chunk = os.read(self.proc.stdout.fileno(), 65536)
         if not chunk:
@@ -81,7 +85,12 @@ class _Worker:
         self.buffer += chunk
         *lines, self.buffer = self.buffer.split(b"\n")
         for line in lines:
-            message = json.loads(line)
+            try:
+                message = json.loads(line)
+            except ValueError:  # not the protocol: treat the worker as broken
+                return False
+            if not isinstance(message, dict):
+                return False
             if message.get("ready"):
                 self.ready = True
             else:
@@ -94,23 +103,28 @@ class _Worker:
         self.proc.wait()
         for pipe in (self.proc.stdout, self.proc.stdin):
             if pipe is not None:
-                pipe.close()
+                with contextlib.suppress(OSError):  # a task left unflushed in a dead worker's pipe
+                    pipe.close()
 
 
 class SandboxPool:
     """A fixed number of sympy worker processes, started on first use."""
 
-    def __init__(self, num_workers: int = 2, memory_mb: int = 1024):
+    def __init__(self, num_workers: int = 2, memory_mb: int = 1024, start_timeout_s: float = START_TIMEOUT_S):
         self.num_workers = num_workers
         self.memory_mb = memory_mb
+        self.start_timeout_s = start_timeout_s
         self._workers: list[_Worker] = []
         self._lock = threading.Lock()
         self._start_failures = 0  # workers that died before ready, in a row
 
     def _spawn(self) -> _Worker:
+        return _Worker(self._start_process(), start_deadline=time.monotonic() + self.start_timeout_s)
+
+    def _start_process(self) -> subprocess.Popen:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "HOME")}
         env["OMP_NUM_THREADS"] = "1"
-        proc = subprocess.Popen(
+        return subprocess.Popen(
             [sys.executable, "-m", "megatron_rlvr.rewards.sandbox", str(self.memory_mb)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -118,7 +132,6 @@ class SandboxPool:
             env=env,
             start_new_session=True,
         )
-        return _Worker(proc)
 
     def compare(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[tuple[bool, str]]:
         """Verdicts for (pred, gold) pairs of normalised answers; each pair gets at most
@@ -132,21 +145,38 @@ class SandboxPool:
     def _run(self, pairs, timeout_s):
         results: list[tuple[bool, str] | None] = [None] * len(pairs)
         pending = deque(range(len(pairs)))
+        retried = [0] * len(pairs)
         with selectors.DefaultSelector() as selector:
             for worker in self._workers:
                 selector.register(worker.proc.stdout, selectors.EVENT_READ, worker)
             while pending or any(w.task is not None for w in self._workers):
-                for worker in self._workers:
+                for worker in list(self._workers):
                     if worker.ready and worker.task is None and pending:
                         index = pending.popleft()
                         pred, gold = pairs[index]
                         worker.task, worker.deadline = index, time.monotonic() + timeout_s
-                        worker.proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
-                        worker.proc.stdin.flush()
-                deadlines = [w.deadline for w in self._workers if w.task is not None]
-                wait = max(0.0, min(deadlines) - time.monotonic()) if deadlines else 0.05
-                for key, _ in selector.select(timeout=wait):
+                        try:
+                            worker.proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
+                            worker.proc.stdin.flush()
+                        except OSError:  # it died before reading the task: another worker takes it, once
+                            worker.task = None
+                            retried[index] += 1
+                            if retried[index] > 1:
+                                results[index] = (False, "worker_died")
+                            else:
+                                pending.appendleft(index)
+                            self._replace(worker, selector, results, "worker_died")
+                now = time.monotonic()
+                deadlines = [
+                    w.deadline if w.task is not None else w.start_deadline
+                    for w in self._workers
+                    if not w.ready or w.task is not None
+                ]
+                wait = max(0.0, min(deadlines) - now) if deadlines else 0.05
+                for key, _ in selector.select(timeout=min(wait, 1.0)):
                     worker = key.data
+                    if worker not in self._workers:
+                        continue  # replaced earlier in this pass
                     alive = worker.read()
                     while worker.replies and worker.task is not None:
                         reply = worker.replies.popleft()
@@ -158,6 +188,8 @@ class SandboxPool:
                 for worker in list(self._workers):
                     if worker.task is not None and now >= worker.deadline:
                         self._replace(worker, selector, results, "timeout")
+                    elif not worker.ready and now >= worker.start_deadline:
+                        self._replace(worker, selector, results, "worker_not_ready")
                 if self._start_failures >= MAX_START_FAILURES:
                     # workers cannot even start (broken env, memory limit): fail fast, never spin
                     while pending:

@@ -1,6 +1,6 @@
 """Start-up patch for the CPU SGLang test server (plays the role of a sitecustomize).
 
-Imported at interpreter start in every Python process of /work/main/.venv-sglang (the API
+Imported at interpreter start in every Python process of .venv-sglang (the API
 server and the scheduler/detokenizer subprocesses SGLang spawns) by the `import` line of the
 `sglang_cpu_standins.pth` file that scripts/setup_sglang_cpu.sh writes into that venv's
 site-packages. Nothing here touches the project venv.

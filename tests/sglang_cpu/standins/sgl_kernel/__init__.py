@@ -15,7 +15,7 @@ linear-attention models: sgl_kernel.mamba.*), so those modules import and fail o
 optimized CPU kernels (`cpu_has_amx_support()` looks for torch.ops.sgl_kernel.convert_weight_packed)
 stay false and every other CPU op falls back to SGLang's plain-torch paths. Any other name is
 absent, so `from sgl_kernel import X` raises ImportError like an install without X would.
-Lives on sys.path only inside /work/main/.venv-sglang (scripts/setup_sglang_cpu.sh).
+Lives on sys.path only inside .venv-sglang (scripts/setup_sglang_cpu.sh).
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ CUDA torch stack, while this box runs the CPU build of torch 2.13.0.
 What it provides: the submodules SGLang imports (transforms, transforms.functional,
 transforms.v2, transforms.v2.functional, io) and a real `InterpolationMode` enum; any other
 name is a placeholder that raises NotImplementedError when called (see _standin.py). It is
-put on sys.path only inside /work/main/.venv-sglang (by scripts/setup_sglang_cpu.sh, through
+put on sys.path only inside .venv-sglang (by scripts/setup_sglang_cpu.sh, through
 a .pth file); nothing in the project venv sees it.
 """
 

@@ -1,0 +1,115 @@
+"""The off-policy REINFORCE family of Yao et al. 2025, "Group-Relative REINFORCE Is Secretly an
+Off-Policy Algorithm" (REC, OPMD, AsymRE), with Trinity-RFT's formulas, and the plain
+REINFORCE loss of verl's bypass mode.
+
+All return a per-token loss [B, T] that the caller weights, masks and aggregates. Their
+gradient is that of −A·log π: the ratio r = π/π_old enters only detached (REC's clipping is a
+hard mask on the token, not PPO's min, and its weights rescale the advantage).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from megatron_rlvr.algo.metrics import masked_mean
+
+REC_CLIP_MODES = ("none", "one-side", "two-side", "ring", "gspo-one-side")
+REC_WEIGHTS = ("none", "importance_sampling", "truncated_importance_sampling", "gspo_importance_sampling", "advantage")
+REC_REGULARIZERS = ("none", "k2", "forward-kl")
+
+
+@dataclass(frozen=True)
+class RecOptions:
+    """REC: which tokens count (clip_mode with ε_low, ε_high and, for ring, ε'_low, ε'_high),
+    how the advantage is weighted (weight; temp for "advantage", is_cap for the truncated
+    ratio) and the regulariser (k2: coef·(log π − log π_old)², forward-kl: −coef·log π)."""
+
+    clip_mode: str = "none"
+    weight: str = "none"
+    regularizer: str = "none"
+    regularizer_coef: float = 0.0
+    epsilon_low_prime: float = 0.6
+    epsilon_high_prime: float = 2.0
+    temp: float = 1.0
+    is_cap: float = 2.0
+
+
+def reinforce_token_losses(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """−A·log π per token (masked positions 0, whatever they held)."""
+    safe = torch.where(mask.bool(), logprobs, torch.zeros_like(logprobs))
+    return -advantages * safe
+
+
+def rec_token_losses(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    clip_low: float,
+    clip_high: float,
+    options: RecOptions,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """REC: −w(A)·log π · 1[r in range] (+ regulariser), r = exp(log π − log π_old) detached.
+
+    In range: two-side 1−ε_low ≤ r ≤ 1+ε_high; one-side r ≤ 1+ε_high where A ≥ 0 and
+    r ≥ 1−ε_low where A ≤ 0; ring two-side, or r ≤ 1−ε'_low where A ≥ 0, or r ≥ 1+ε'_high
+    where A ≤ 0; gspo-one-side one-side on the sequence's geometric-mean ratio.
+    Weights: importance_sampling A·r; truncated_importance_sampling A·min(r, is_cap);
+    gspo_importance_sampling A·s (s the geometric-mean ratio); advantage A·exp(A/temp).
+    """
+    valid = mask.bool()
+    zeros = torch.zeros_like(logprobs)
+    safe = torch.where(valid, logprobs, zeros)
+    log_ratio = torch.where(valid, logprobs - old_logprobs.detach(), zeros)
+    ratio = torch.exp(log_ratio).detach()
+    lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
+    seq_ratio = torch.exp(log_ratio.sum(dim=-1, keepdim=True) / lengths).detach().expand_as(ratio)
+    low, high = 1.0 - clip_low, 1.0 + clip_high
+    pos, neg = advantages >= 0, advantages <= 0
+    mode = options.clip_mode
+    if mode == "two-side":
+        in_range = (ratio >= low) & (ratio <= high)
+    elif mode == "one-side":
+        in_range = ((ratio <= high) & pos) | ((ratio >= low) & neg)
+    elif mode == "gspo-one-side":
+        in_range = ((seq_ratio <= high) & pos) | ((seq_ratio >= low) & neg)
+    elif mode == "ring":
+        in_range = (
+            ((ratio >= low) & (ratio <= high))
+            | (pos & (ratio <= 1.0 - options.epsilon_low_prime))
+            | (neg & (ratio >= 1.0 + options.epsilon_high_prime))
+        )
+    elif mode == "none":
+        in_range = torch.ones_like(valid)
+    else:
+        raise ValueError(f"rec clip_mode={mode!r}: expected one of {REC_CLIP_MODES}")
+
+    weight = options.weight
+    if weight == "importance_sampling":
+        advantages = advantages * ratio
+    elif weight == "truncated_importance_sampling":
+        advantages = advantages * ratio.clamp(max=options.is_cap)
+    elif weight == "gspo_importance_sampling":
+        advantages = advantages * seq_ratio
+    elif weight == "advantage":
+        advantages = advantages * torch.exp(advantages / options.temp)
+    elif weight != "none":
+        raise ValueError(f"rec weight={weight!r}: expected one of {REC_WEIGHTS}")
+
+    per_token = -advantages * safe * in_range.to(logprobs.dtype)
+    if options.regularizer == "forward-kl":
+        per_token = per_token - options.regularizer_coef * safe
+    elif options.regularizer == "k2":
+        per_token = per_token + options.regularizer_coef * log_ratio.square()
+    elif options.regularizer != "none":
+        raise ValueError(f"rec regularizer={options.regularizer!r}: expected one of {REC_REGULARIZERS}")
+    clipped = (~in_range & valid).to(mask.dtype)
+    metrics = {
+        "clipfrac": masked_mean(clipped, mask),
+        "clipfrac_pos": masked_mean(clipped * (advantages > 0), mask),
+        "clipfrac_neg": masked_mean(clipped * (advantages < 0), mask),
+    }
+    return per_token, metrics
