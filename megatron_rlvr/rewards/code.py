@@ -42,6 +42,7 @@ FAILURES = frozenset(
         "output_limit",
         "not_a_value",
         "crashed",
+        "sandbox_error",
     }
 )
 _TO_SANDBOX = {"stdio": ("kind", "input"), "call": ("kind", "fn", "args"), "assert": ("kind", "setup", "exprs")}
@@ -241,4 +242,5 @@ class CodeVerifier:
                 if test["kind"] == "assert" and test["checks"] is None and outcome.get("status") == "returned":
                     where.append((row, index))
                     jobs.append({"judge": test["program"], "values": outcome.get("values")})
-        return {at: answer.get("outcome", {}) for at, answer in zip(where, self._run(jobs))}
+        answers = self._run(jobs)  # a supervisor that died answers {"error": {"reason": ...}}
+        return {at: a.get("outcome") or {"status": a.get("error", {}).get("reason")} for at, a in zip(where, answers)}
