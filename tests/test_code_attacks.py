@@ -48,7 +48,9 @@ def add(a, b):
     return a + b
 """
 # Reports a value nested deep enough to break a JSON parser (and the supervisor with it).
-DEEP = FLOOD.replace("b'5, ' * 10**6 + b'6]}'", "b'[' * 30000 + b']' * 30000 + b']}'")
+DEEP = FLOOD.replace("b'5, ' * 10**6 + b'6]}'", "b'[' * 30000 + b']' * 30000 + b']}'").replace(
+    "return a + b", "os._exit(0)"
+)
 # Reads the expected value from the code of the test that called it.
 CALLER_CONSTANTS = """
 import sys
