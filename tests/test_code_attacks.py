@@ -4,6 +4,7 @@ asserts, HumanEval check(candidate), APPS stdin/stdout and APPS/LeetCode functio
 
 import json
 
+import psutil
 import pytest
 
 from megatron_rlvr.rewards.code import CodeTestError, CodeVerifier, parse_tests
@@ -183,6 +184,12 @@ def test_humaneval_and_judge_program_attacks(verifier):
         "NaN under a tolerance": (0.0, "wrong_answer"),
         "off by a little": (0.0, "wrong_answer"),
     }
+    # every response fails before the judge programs: the judges started for them are stopped
+    assert score(verifier, {"exits": "import os\nos._exit(0)", "loops": "while True:\n    pass"}, HUMANEVAL) == {
+        "exits": (0.0, "crashed"),
+        "loops": (0.0, "timeout"),
+    }
+    assert not [p for p in psutil.process_iter(["cmdline"]) if "rewards.runner" in " ".join(p.info["cmdline"] or [])]
     mbpp = {
         "honest": "def area(r):\n    return 3.14159 * r * r\ndef common(a, b):\n    return list(set(a) & set(b))",
         "patches math.isclose": (

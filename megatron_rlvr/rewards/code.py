@@ -204,12 +204,20 @@ class CodeVerifier:
         codes = [extract_code(r) for r in responses]
         sandboxed = [{k: t[k] for k in _TO_SANDBOX[t["kind"]]} for t in cases]  # no expected side
         jobs = [{"code": code, "tests": sandboxed} for code in codes if code.strip()]
-        answers = iter(self._run(jobs))
-        outcomes: list[list[dict] | str] = []
-        for code in codes:
-            answer = next(answers) if code.strip() else {"error": {"reason": "no_answer"}}
-            outcomes.append(answer["error"]["reason"] if "error" in answer else answer["tests"])
-        judged = self._judge_programs(cases, outcomes)
+        from megatron_rlvr.rewards.runner import start_supervisors, stop_supervisors
+
+        # the judges start while the solutions run; they are given no model code
+        judging = any(t["kind"] == "assert" and t["checks"] is None for t in cases) and jobs
+        judges = start_supervisors(min(self.parallel, len(jobs))) if judging else []
+        try:
+            answers = iter(self._run(jobs))
+            outcomes: list[list[dict] | str] = []
+            for code in codes:
+                answer = next(answers) if code.strip() else {"error": {"reason": "no_answer"}}
+                outcomes.append(answer["error"]["reason"] if "error" in answer else answer["tests"])
+            judged = self._judge_programs(cases, outcomes, judges)
+        finally:
+            stop_supervisors(judges)  # those the judge programs did not need (the rest are done)
         verdicts = []
         for row, tested in enumerate(outcomes):
             if isinstance(tested, str):
@@ -222,7 +230,7 @@ class CodeVerifier:
             verdicts.append((reward, "passed" if passed == len(cases) else next(r for r in results if r != "passed")))
         return verdicts
 
-    def _run(self, jobs: list[dict]) -> list[dict]:
+    def _run(self, jobs: list[dict], started: list | None = None) -> list[dict]:
         from megatron_rlvr.rewards.runner import run_jobs
 
         return run_jobs(
@@ -231,9 +239,10 @@ class CodeVerifier:
             memory_mb=self.memory_mb,
             output_bytes=self.output_bytes,
             parallel=self.parallel,
+            started=started,
         )
 
-    def _judge_programs(self, cases: list[dict], outcomes: list) -> dict[tuple[int, int], dict]:
+    def _judge_programs(self, cases: list[dict], outcomes: list, judges: list) -> dict[tuple[int, int], dict]:
         """(response, test) → the outcome of the assert test's judge program on the values that
         response's code returned, run by supervisors that are given no model code."""
         where, jobs = [], []
@@ -242,5 +251,5 @@ class CodeVerifier:
                 if test["kind"] == "assert" and test["checks"] is None and outcome.get("status") == "returned":
                     where.append((row, index))
                     jobs.append({"judge": test["program"], "values": outcome.get("values")})
-        answers = self._run(jobs)  # a supervisor that died answers {"error": {"reason": ...}}
+        answers = self._run(jobs, judges)  # a supervisor that died answers {"error": {"reason": ...}}
         return {at: a.get("outcome") or {"status": a.get("error", {}).get("reason")} for at, a in zip(where, answers)}

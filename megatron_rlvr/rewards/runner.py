@@ -35,29 +35,58 @@ from typing import Any
 from megatron_rlvr.rewards.code_values import NotAValue, decode_value, encode_value
 
 STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpreter start, imports)
+Started = tuple[subprocess.Popen, str]  # a supervisor process and its directory
 
 
 # ============================================================================ parent side
 def run_jobs(
-    jobs: list[dict], *, wall_s: float, memory_mb: int, output_bytes: int, parallel: int, function: dict | None = None
+    jobs: list[dict],
+    *,
+    wall_s: float,
+    memory_mb: int,
+    output_bytes: int,
+    parallel: int,
+    function: dict | None = None,
+    started: list[Started] | None = None,
 ) -> list[dict]:
     """One result per job, in order: {"tests": [per-test outcome]} for code jobs, {"outcome"}
-    for function calls and judge programs. `parallel` supervisors share the jobs."""
+    for function calls and judge programs. `parallel` supervisors share the jobs; those in
+    `started` (start_supervisors) are used first, and any left over are stopped."""
+    count = min(parallel, len(jobs))
+    spare = list(started or [])
+    supervisors = [spare.pop(0) if spare else _start() for _ in range(count)]
+    stop_supervisors(spare)
     if not jobs:
         return []
-    chunks = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
+    chunks = [list(range(i, len(jobs), parallel)) for i in range(count)]
     results: list[dict | None] = [None] * len(jobs)
     settings = {"wall_s": wall_s, "memory_mb": memory_mb, "output_bytes": output_bytes, "function": function}
-    with ThreadPoolExecutor(len(chunks)) as pool:
-        for chunk, answers in zip(chunks, pool.map(lambda c: _supervise([jobs[i] for i in c], settings), chunks)):
+    with ThreadPoolExecutor(count) as pool:
+        answered = pool.map(lambda c, s: _supervise(s, [jobs[i] for i in c], settings), chunks, supervisors)
+        for chunk, answers in zip(chunks, answered):
             for index, answer in zip(chunk, answers):
                 results[index] = answer
     return results  # type: ignore[return-value]
 
 
-def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
+def start_supervisors(count: int) -> list[Started]:
+    """Supervisors started before their jobs are known (each waits for them on its stdin), so
+    that their interpreter start overlaps other work; run_jobs uses or stops them."""
+    return [_start() for _ in range(count)]
+
+
+def stop_supervisors(started: list[Started]) -> None:
+    """Kills those still waiting and removes their directories (a no-op for those run_jobs ran)."""
+    for proc, workdir in started:
+        if proc.poll() is None:
+            _kill_session(proc)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start() -> Started:
     workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
-    budget = len(jobs) * (settings["wall_s"] + 1.0) + STARTUP_S
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
@@ -71,6 +100,12 @@ def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
         env=env,
         start_new_session=True,
     )
+    return proc, workdir
+
+
+def _supervise(supervisor: Started, jobs: list[dict], settings: dict) -> list[dict]:
+    proc, workdir = supervisor
+    budget = len(jobs) * (settings["wall_s"] + 1.0) + STARTUP_S
     try:
         out, err = proc.communicate(json.dumps({**settings, "workdir": workdir, "jobs": jobs}).encode(), timeout=budget)
         missing = {"reason": "sandbox_error", "detail": err.decode(errors="replace").strip()[-300:]}
