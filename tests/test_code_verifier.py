@@ -173,14 +173,27 @@ def test_outputs_compare_token_by_token_with_a_float_tolerance(verifier):
         ([{"input": "1", "output": "1"}, {"input": "2", "output": "2"}], ["stdio", "stdio"]),
         (["assert f(1) == 1", "assert f(2) == 2"], ["assert", "assert"]),
         ("assert f(1) == 1\nassert f(2) == 2", ["assert"]),
-        ({"test": "def check(c): pass", "entry_point": "f"}, ["assert"]),
+        ({"test": "def check(c):\n    assert c(1) == 1", "entry_point": "f"}, ["assert"]),
     ],
 )
 def test_dataset_test_layouts_parse(tests, kinds):
     assert [t["kind"] for t in parse_tests(tests)] == kinds
 
 
-@pytest.mark.parametrize("tests", [{"inputs": ["1"], "outputs": []}, {"foo": 1}, [], "", 7, [3]])
+@pytest.mark.parametrize(
+    "tests",
+    [
+        {"inputs": ["1"], "outputs": []},
+        {"foo": 1},
+        [],
+        "",
+        7,
+        [3],
+        {"test": "def check(c): pass", "entry_point": "f"},  # judges nothing
+        "assert f(1 ==",
+        {"test": "def check(c):\n    assert c(1) == 1"},  # check() that nothing calls
+    ],
+)
 def test_unusable_tests_are_refused(tests):
     with pytest.raises(CodeTestError):
         parse_tests(tests)

@@ -8,9 +8,15 @@ sandbox (megatron_rlvr.rewards.runner). Tests come as datasets store them:
   "outputs": [...]}: f(*args) (or Solution().f) must return the output;
 - assert-style (MBPP, HumanEval): a string of test code, a list of assert statements
   ({"test_list": [...]} too), or {"test": code, "entry_point": f} with a HumanEval check().
+  These are split (code_asserts) into the calls under test, which the sandbox evaluates, and
+  the expected side, judged by a process that never ran the solution; a test that cannot be
+  split so (a loop over the solution's results) is refused, never trusted.
 
-Any of these may also arrive as a JSON string (verl keeps them so in reward_model.ground_truth).
-Reward: 1.0 when every test passes, else 0.0 (or the fraction passed, verifier.code.reward).
+Every verdict is made outside the process that ran the solution, from what it printed or
+returned as plain data: a returned `int` subclass, or any object with its own `__eq__`, is
+not a value (not_a_value). Any of these may also arrive as a JSON string (verl keeps them so
+in reward_model.ground_truth). Reward: 1.0 when every test passes, else 0.0 (or the fraction
+passed, verifier.code.reward).
 """
 
 from __future__ import annotations
@@ -20,13 +26,26 @@ import math
 import re
 from typing import Any
 
-from megatron_rlvr.errors import UserError
+from megatron_rlvr.rewards.code_asserts import CodeTestError, split_asserts
+from megatron_rlvr.rewards.code_values import decode_value
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 from megatron_rlvr.rewards.verdict import Verdict
 
-
-class CodeTestError(UserError, ValueError):
-    """A record's tests are in no shape the verifier knows."""
+FAILURES = frozenset(
+    {
+        "wrong_answer",
+        "runtime_error",
+        "syntax_error",
+        "timeout",
+        "memory",
+        "sandbox_violation",
+        "output_limit",
+        "not_a_value",
+        "crashed",
+        "sandbox_error",
+    }
+)
+_TO_SANDBOX = {"stdio": ("kind", "input"), "call": ("kind", "fn", "args"), "assert": ("kind", "setup", "exprs")}
 
 
 def _text(value: Any) -> str:
@@ -63,7 +82,7 @@ def parse_tests(tests: Any) -> list[dict]:
             return parse_tests(decoded)
         if not tests.strip():
             raise CodeTestError("no tests")
-        return [{"kind": "assert", "code": tests}]
+        return [split_asserts(tests)]
     if isinstance(tests, dict):
         if "inputs" in tests or "outputs" in tests:
             parsed = _io_tests(tests.get("inputs"), tests.get("outputs"), tests.get("fn_name"))
@@ -71,12 +90,9 @@ def parse_tests(tests: Any) -> list[dict]:
             setup = "\n".join(
                 filter(None, [tests.get("test_imports") and _text(tests["test_imports"]), tests.get("test_setup_code")])
             )
-            parsed = [{"kind": "assert", "code": f"{setup}\n{t}" if setup else str(t)} for t in tests["test_list"]]
+            parsed = [split_asserts(f"{setup}\n{t}" if setup else str(t)) for t in tests["test_list"]]
         elif "test" in tests:
-            code = str(tests["test"])
-            if tests.get("entry_point"):
-                code += f"\ncheck({tests['entry_point']})"
-            parsed = [{"kind": "assert", "code": code}]
+            parsed = [split_asserts(str(tests["test"]), str(tests.get("entry_point") or "") or None)]
         elif "input" in tests and "output" in tests:
             parsed = [{"kind": "stdio", "input": _text(tests["input"]), "expected": _text(tests["output"])}]
         else:
@@ -87,7 +103,7 @@ def parse_tests(tests: Any) -> list[dict]:
         parsed = []
         for item in tests:
             if isinstance(item, str):
-                parsed.append({"kind": "assert", "code": item})
+                parsed.append(split_asserts(item))
             elif isinstance(item, dict) and "input" in item and "output" in item:
                 parsed.append({"kind": "stdio", "input": _text(item["input"]), "expected": _text(item["output"])})
             else:
@@ -131,19 +147,45 @@ def _tokens_match(got: str, expected: str) -> bool:
 
 
 def _normal(value: Any) -> Any:
-    return json.loads(json.dumps(value, default=repr))  # tuples → lists, as the sandbox returns them
+    """JSON's view of a value (tuples as lists, keys as strings), as call tests store outputs."""
+    try:
+        return json.loads(json.dumps(value))
+    except (TypeError, ValueError):  # a set, a bytes: compared as it is
+        return value
 
 
-def judge(test: dict, outcome: dict) -> str:
-    """One test's verdict from what the sandbox reports: "passed" or why not."""
-    status = outcome.get("status", "crashed")
+def _meets(check: list, values: list) -> bool:
+    op, index, expected = check
+    value = values[index]
+    return {"truthy": bool(value), "falsy": not value, "eq": value == expected, "ne": value != expected}[op]
+
+
+def judge(test: dict, outcome: dict, judged: dict | None = None) -> str:
+    """One test's verdict: "passed" or why not. `outcome` is what the solution's process
+    reported (data: it may say anything, so "passed" is never taken from it); `judged` is the
+    judge program's outcome for an assert test without quick checks."""
+    status = outcome.get("status")
     if test["kind"] == "stdio" and status == "ran":
-        return "passed" if _tokens_match(outcome.get("output", ""), test["expected"]) else "wrong_answer"
-    if test["kind"] == "call" and status == "returned":
-        expected, value = _normal(test["expected"]), outcome.get("value")
-        single = isinstance(expected, list) and len(expected) == 1 and value == expected[0]  # APPS wraps outputs
-        return "passed" if value == expected or single else "wrong_answer"
-    return status
+        return "passed" if _tokens_match(str(outcome.get("output", "")), test["expected"]) else "wrong_answer"
+    if test["kind"] in ("call", "assert") and status == "returned":
+        try:
+            if test["kind"] == "call":
+                value, expected = _normal(decode_value(outcome.get("value"))), _normal(test["expected"])
+                # APPS wraps a call's output in a list of one
+                single = isinstance(expected, list) and len(expected) == 1 and value == expected[0]
+                return "passed" if value == expected or single else "wrong_answer"
+            values = [decode_value(v) for v in outcome["values"]]
+        except (ValueError, TypeError, KeyError, RecursionError):
+            return "crashed"
+        if len(values) != len(test["exprs"]):
+            return "crashed"
+        if test["checks"] is not None:
+            return "passed" if all(_meets(check, values) for check in test["checks"]) else "wrong_answer"
+        if judged is None:
+            return "crashed"
+        status = judged.get("status")
+        return "passed" if status == "passed" else status if status in FAILURES else "crashed"
+    return status if status in FAILURES else "crashed"
 
 
 class CodeVerifier:
@@ -160,34 +202,54 @@ class CodeVerifier:
         """Verdicts of responses that answer the same record (its tests)."""
         cases = parse_tests(tests)
         codes = [extract_code(r) for r in responses]
-        jobs = [
-            {"code": code, "tests": [{k: v for k, v in t.items() if k != "expected"} for t in cases]}
-            for code in codes
-            if code.strip()
-        ]
-        from megatron_rlvr.rewards.runner import run_jobs
+        sandboxed = [{k: t[k] for k in _TO_SANDBOX[t["kind"]]} for t in cases]  # no expected side
+        jobs = [{"code": code, "tests": sandboxed} for code in codes if code.strip()]
+        from megatron_rlvr.rewards.runner import start_supervisors, stop_supervisors
 
-        answers = iter(
-            run_jobs(
-                jobs,
-                wall_s=self.timeout_s,
-                memory_mb=self.memory_mb,
-                output_bytes=self.output_bytes,
-                parallel=self.parallel,
-            )
-        )
+        # the judges start while the solutions run; they are given no model code
+        judging = any(t["kind"] == "assert" and t["checks"] is None for t in cases) and jobs
+        judges = start_supervisors(min(self.parallel, len(jobs))) if judging else []
+        try:
+            answers = iter(self._run(jobs))
+            outcomes: list[list[dict] | str] = []
+            for code in codes:
+                answer = next(answers) if code.strip() else {"error": {"reason": "no_answer"}}
+                outcomes.append(answer["error"]["reason"] if "error" in answer else answer["tests"])
+            judged = self._judge_programs(cases, outcomes, judges)
+        finally:
+            stop_supervisors(judges)  # those the judge programs did not need (the rest are done)
         verdicts = []
-        for code in codes:
-            if not code.strip():
-                verdicts.append((0.0, "no_answer"))
+        for row, tested in enumerate(outcomes):
+            if isinstance(tested, str):
+                verdicts.append((0.0, tested))
                 continue
-            answer = next(answers)
-            if "error" in answer:
-                verdicts.append((0.0, answer["error"]["reason"]))
-                continue
-            results = [judge(t, o) for t, o in zip(cases, answer["tests"])]
+            results = [judge(t, o, judged.get((row, i))) for i, (t, o) in enumerate(zip(cases, tested))]
             results += [results[-1]] * (len(cases) - len(results))  # tests skipped after a violation
             passed = sum(r == "passed" for r in results)
             reward = passed / len(cases) if self.reward == "fraction" else float(passed == len(cases))
             verdicts.append((reward, "passed" if passed == len(cases) else next(r for r in results if r != "passed")))
         return verdicts
+
+    def _run(self, jobs: list[dict], started: list | None = None) -> list[dict]:
+        from megatron_rlvr.rewards.runner import run_jobs
+
+        return run_jobs(
+            jobs,
+            wall_s=self.timeout_s,
+            memory_mb=self.memory_mb,
+            output_bytes=self.output_bytes,
+            parallel=self.parallel,
+            started=started,
+        )
+
+    def _judge_programs(self, cases: list[dict], outcomes: list, judges: list) -> dict[tuple[int, int], dict]:
+        """(response, test) → the outcome of the assert test's judge program on the values that
+        response's code returned, run by supervisors that are given no model code."""
+        where, jobs = [], []
+        for row, tested in enumerate(outcomes):
+            for index, (test, outcome) in enumerate(zip(cases, tested if isinstance(tested, list) else [])):
+                if test["kind"] == "assert" and test["checks"] is None and outcome.get("status") == "returned":
+                    where.append((row, index))
+                    jobs.append({"judge": test["program"], "values": outcome.get("values")})
+        answers = self._run(jobs, judges)  # a supervisor that died answers {"error": {"reason": ...}}
+        return {at: a.get("outcome") or {"status": a.get("error", {}).get("reason")} for at, a in zip(where, answers)}

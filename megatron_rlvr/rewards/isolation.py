@@ -3,7 +3,8 @@
 Three layers, each from the kernel and none needing privileges:
 - Landlock (Linux >= 5.13): files can be written, created, removed or truncated only under
   one directory; on kernels with Landlock ABI >= 4 TCP bind/connect is refused too, and with
-  ABI >= 6 signals to processes outside the sandbox.
+  ABI >= 6 signals to processes outside the sandbox. A child running model-written code adds a
+  second layer: it reads only the directories it is given and writes only its own.
 - seccomp: the process is killed (SIGSYS) when it creates a socket, a child process (fork,
   vfork, clone without CLONE_THREAD, posix_spawn), execs, signals a process other than itself,
   ptraces, mounts, changes file modes/owners/times, or uses io_uring, bpf or namespaces.
@@ -124,6 +125,50 @@ def confine_writes(directory: str) -> int:
         os.close(parent)
         os.close(ruleset)
     return abi
+
+
+FS_READ_FILE, FS_READ_DIR = 1 << 2, 1 << 3
+_FILE_RIGHTS = (1 << 0) | (1 << 1) | FS_READ_FILE | FS_TRUNCATE | FS_IOCTL_DEV  # those a rule on a file may hold
+
+
+def confine_child(own: str, readable: list[str]) -> None:
+    """A further Landlock layer for a child: it reads only `readable` (directories or files) and
+    its `own` directory, and writes only there, so no dataset file or other child's directory is
+    in its reach."""
+    abi = landlock_abi()
+    write = FS_WRITE_V1 | (FS_REFER if abi >= 2 else 0) | (FS_TRUNCATE if abi >= 3 else 0)
+    write |= FS_IOCTL_DEV if abi >= 5 else 0
+    handled = write | FS_READ_FILE | FS_READ_DIR
+    attr = struct.pack("QQQ", handled, 0, 0)[: 8 if abi < 4 else 16 if abi < 6 else 24]
+    ruleset = _check(
+        _libc.syscall(
+            SYS_LANDLOCK_CREATE_RULESET, ctypes.c_char_p(attr), ctypes.c_size_t(len(attr)), ctypes.c_uint32(0)
+        ),
+        "landlock_create_ruleset",
+    )
+    try:
+        for path, rights in [(p, FS_READ_FILE | FS_READ_DIR) for p in readable] + [(own, handled)]:
+            if not os.path.isdir(path):
+                rights = (rights | (1 << 1 if path == os.devnull else 0)) & _FILE_RIGHTS  # /dev/null takes writes
+            fd = os.open(path, os.O_PATH | os.O_CLOEXEC)
+            try:
+                rule = struct.pack("=Qi", rights, fd)
+                _check(
+                    _libc.syscall(
+                        SYS_LANDLOCK_ADD_RULE,
+                        ctypes.c_int(ruleset),
+                        ctypes.c_int(1),
+                        ctypes.c_char_p(rule),
+                        ctypes.c_uint32(0),
+                    ),
+                    f"landlock_add_rule({path})",
+                )
+            finally:
+                os.close(fd)
+        _prctl(PR_SET_NO_NEW_PRIVS, 1)
+        _check(_libc.syscall(SYS_LANDLOCK_RESTRICT_SELF, ctypes.c_int(ruleset), ctypes.c_uint32(0)), "landlock")
+    finally:
+        os.close(ruleset)
 
 
 # ----------------------------------------------------------------------------- seccomp

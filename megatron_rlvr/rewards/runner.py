@@ -8,10 +8,13 @@ outlives its budget; the directory is removed afterwards. The supervisor confine
 function call in a forked child that adds the seccomp filter and rlimits, with a wall-time
 deadline. A child can start no process, so killing it leaves nothing behind.
 
-The supervisor never sees expected outputs: stdin/stdout tests and function-call tests send
-back what the code printed or returned, and the parent judges it. Assert-style tests judge
-themselves in the child; their verdict carries a per-child nonce, so code that exits early
-(os._exit(0)) or writes to the verdict pipe cannot pass for a test that ran.
+No verdict is made where model-written code ran, and nothing it could compare against is
+there: the supervisor never sees an expected output. stdin/stdout tests send back what the
+code printed; function calls and the calls under test of assert-style tests (code_asserts)
+send back what it returned, as plain data (code_values), and the parent judges. An assert
+test's judge program (its expected side) runs in a child of a separate supervisor that is
+given no model code. A child may also read only the Python installation, system libraries and
+its own directory, so no dataset file on disk is in its reach.
 """
 
 from __future__ import annotations
@@ -19,7 +22,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import secrets
 import select
 import shutil
 import signal
@@ -30,36 +32,67 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from megatron_rlvr.rewards.code_values import NotAValue, decode_value, encode_value
+
 STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpreter start, imports)
+Started = tuple[subprocess.Popen, str]  # a supervisor process and its directory
 
 
 # ============================================================================ parent side
 def run_jobs(
-    jobs: list[dict], *, wall_s: float, memory_mb: int, output_bytes: int, parallel: int, function: dict | None = None
+    jobs: list[dict],
+    *,
+    wall_s: float,
+    memory_mb: int,
+    output_bytes: int,
+    parallel: int,
+    function: dict | None = None,
+    started: list[Started] | None = None,
 ) -> list[dict]:
     """One result per job, in order: {"tests": [per-test outcome]} for code jobs, {"outcome"}
-    for function calls. `parallel` supervisors share the jobs."""
+    for function calls and judge programs. `parallel` supervisors share the jobs; those in
+    `started` (start_supervisors) are used first, and any left over are stopped."""
+    count = min(parallel, len(jobs))
+    spare = list(started or [])
+    supervisors = [spare.pop(0) if spare else _start() for _ in range(count)]
+    stop_supervisors(spare)
     if not jobs:
         return []
-    chunks = [list(range(i, len(jobs), parallel)) for i in range(min(parallel, len(jobs)))]
+    chunks = [list(range(i, len(jobs), parallel)) for i in range(count)]
     results: list[dict | None] = [None] * len(jobs)
     settings = {"wall_s": wall_s, "memory_mb": memory_mb, "output_bytes": output_bytes, "function": function}
-    with ThreadPoolExecutor(len(chunks)) as pool:
-        for chunk, answers in zip(chunks, pool.map(lambda c: _supervise([jobs[i] for i in c], settings), chunks)):
+    with ThreadPoolExecutor(count) as pool:
+        answered = pool.map(lambda c, s: _supervise(s, [jobs[i] for i in c], settings), chunks, supervisors)
+        for chunk, answers in zip(chunks, answered):
             for index, answer in zip(chunk, answers):
                 results[index] = answer
     return results  # type: ignore[return-value]
 
 
-def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
+def start_supervisors(count: int) -> list[Started]:
+    """Supervisors started before their jobs are known (each waits for them on its stdin), so
+    that their interpreter start overlaps other work; run_jobs uses or stops them."""
+    return [_start() for _ in range(count)]
+
+
+def stop_supervisors(started: list[Started]) -> None:
+    """Kills those still waiting and removes their directories (a no-op for those run_jobs ran)."""
+    for proc, workdir in started:
+        if proc.poll() is None:
+            _kill_session(proc)
+        if proc.stdout is not None and not proc.stdout.closed:
+            proc.communicate()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _start() -> Started:
     workdir = tempfile.mkdtemp(prefix="rlvr-sandbox-")
-    budget = len(jobs) * (settings["wall_s"] + 1.0) + STARTUP_S
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
     env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
     proc = subprocess.Popen(
-        [sys.executable, "-B", "-m", "megatron_rlvr.rewards.runner"],
+        [sys.executable, "-B", "-P", "-m", "megatron_rlvr.rewards.runner"],  # -P: its directory is no import path
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -67,6 +100,12 @@ def _supervise(jobs: list[dict], settings: dict) -> list[dict]:
         env=env,
         start_new_session=True,
     )
+    return proc, workdir
+
+
+def _supervise(supervisor: Started, jobs: list[dict], settings: dict) -> list[dict]:
+    proc, workdir = supervisor
+    budget = len(jobs) * (settings["wall_s"] + 1.0) + STARTUP_S
     try:
         out, err = proc.communicate(json.dumps({**settings, "workdir": workdir, "jobs": jobs}).encode(), timeout=budget)
         missing = {"reason": "sandbox_error", "detail": err.decode(errors="replace").strip()[-300:]}
@@ -91,15 +130,16 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 # ============================================================================ supervisor side
-def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin_data: str = "") -> dict:
+def _in_child(target, settings: dict, *, wall_s: float, stdin_data: str = "") -> dict:
     """Runs target() (→ a JSON-able dict) in a forked, confined child with a wall-time deadline.
-    Returns {"status": ..., "output": stdout text, ...target's dict}."""
-    from megatron_rlvr.rewards.isolation import die_with_parent, install_seccomp, limit_resources
+    Returns {"status": ..., "output": stdout text, ...target's dict}: what the child reports is
+    data for the parent to judge, never a verdict (the child can write anything there)."""
+    from megatron_rlvr.rewards.isolation import confine_child, die_with_parent, install_seccomp, limit_resources
 
-    scratch = tempfile.mkdtemp(dir=".")
+    memory_mb, output_bytes = settings["memory_mb"], settings["output_bytes"]
+    scratch = os.path.abspath(tempfile.mkdtemp(dir="."))
     with open(os.path.join(scratch, "stdin"), "w") as f:
         f.write(stdin_data)
-    nonce = secrets.token_hex(16)
     read_end, write_end = os.pipe()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -119,25 +159,30 @@ def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin
             sys.stdout = open(1, "w", closefd=False)
             sys.stderr = open(2, "w", closefd=False)
             limit_resources(memory_mb=memory_mb, cpu_s=int(wall_s) + 1, file_bytes=output_bytes)
+            if settings.get("readable") is not None:  # model-written code, or a judge program
+                confine_child(scratch, settings["readable"])
             install_seccomp()
-            verdict = target()
+            report = target()
             try:
                 sys.stdout.flush()
             except OSError as err:  # what is left over the output limit
-                verdict = _error(err)
-            os.write(write_end, json.dumps({"nonce": nonce, **verdict}, default=repr).encode()[:output_bytes])
+                report = _error(err)
+            message = json.dumps(report).encode()
+            if len(message) > output_bytes:
+                message = json.dumps({"status": "output_limit", "detail": "returned values too large"}).encode()
+            os.write(write_end, message)
         except MemoryError:
-            os.write(write_end, json.dumps({"nonce": nonce, "status": "memory"}).encode())
+            os.write(write_end, b'{"status": "memory"}')
         finally:
             os._exit(0)
     # ------------------------------------------------------------------------------ parent
     os.close(write_end)
     deadline = started + wall_s
     received = b""
-    while (left := deadline - time.monotonic()) > 0:  # the verdict, until the child closes the pipe
+    while (left := deadline - time.monotonic()) > 0:  # the report, until the child closes the pipe
         if select.select([read_end], [], [], left)[0]:
             chunk = os.read(read_end, 65536)
-            if not chunk:
+            if not chunk or len(received) > output_bytes:  # a flood is no report
                 break
             received += chunk
     os.close(read_end)
@@ -157,13 +202,12 @@ def _in_child(target, *, wall_s: float, memory_mb: int, output_bytes: int, stdin
         }.get(sig, "crashed")
         return {"status": reason, "detail": signal.Signals(sig).name, "seconds": seconds}
     try:
-        verdict = json.loads(received)
-    except ValueError:
-        verdict = {}
-    if verdict.get("nonce") != nonce:
-        return {"status": "crashed", "detail": "exited without a verdict", "seconds": seconds}
-    verdict.pop("nonce")
-    return {**verdict, "output": output, "seconds": seconds}
+        report = json.loads(received)
+    except (ValueError, RecursionError):  # not JSON, or nested to break the parser
+        report = None
+    if not isinstance(report, dict) or not isinstance(report.get("status"), str):
+        return {"status": "crashed", "detail": "exited without a report", "seconds": seconds}
+    return {**report, "output": output, "seconds": seconds}
 
 
 def _reap(pid: int, deadline: float) -> tuple[bool, int]:
@@ -179,8 +223,10 @@ def _reap(pid: int, deadline: float) -> tuple[bool, int]:
 
 
 def _read(path: str, limit: int) -> str:
+    """The child's output file; never a link the child put in its place (to a file it may
+    not read itself, such as a dataset's expected output)."""
     try:
-        with open(path, "rb") as f:
+        with open(os.open(path, os.O_RDONLY | os.O_NOFOLLOW), "rb") as f:
             return f.read(limit).decode(errors="replace")
     except OSError:
         return ""
@@ -213,6 +259,17 @@ def _run_solution(code: str, namespace: dict) -> dict | None:
     return None
 
 
+def _values(test: dict, namespace: dict) -> dict:
+    """An assert test's calls under test, after its shared setup (imports, inputs), evaluated in
+    order; the first that fails ends the test, as it would end the assert."""
+    exec(compile(test["setup"], "<test setup>", "exec"), namespace)
+    values = []
+    for source, keep in test["exprs"]:
+        value = eval(compile(source, "<test>", "eval"), namespace)
+        values.append(encode_value(value) if keep else None)
+    return {"status": "returned", "values": values}
+
+
 def _code_test(code: str, test: dict):
     def target() -> dict:
         # a script reads its input as __main__; code under test is imported, as the tests do
@@ -223,14 +280,15 @@ def _code_test(code: str, test: dict):
             return failed or {"status": "ran"}
         try:
             if test["kind"] == "assert":
-                exec(compile(test["code"], "<tests>", "exec"), namespace)
-                return {"status": "passed"}
+                return _values(test, namespace)
             function = namespace.get(test["fn"])
             if function is None and isinstance(namespace.get("Solution"), type):
                 function = getattr(namespace["Solution"](), test["fn"], None)
             if not callable(function):
                 return {"status": "runtime_error", "detail": f"no function {test['fn']!r}"}
-            return {"status": "returned", "value": json.loads(json.dumps(function(*test["args"]), default=repr))}
+            return {"status": "returned", "value": encode_value(function(*test["args"]))}
+        except NotAValue as err:
+            return {"status": "not_a_value", "detail": f"returned {err}"[:200]}
         except BaseException as err:
             return _error(err)
 
@@ -245,13 +303,7 @@ def _code_job(job: dict, settings: dict) -> dict:
         if left <= 0.05:
             outcomes.append({"status": "timeout"})
             continue
-        outcome = _in_child(
-            _code_test(job["code"], test),
-            wall_s=left,
-            memory_mb=settings["memory_mb"],
-            output_bytes=settings["output_bytes"],
-            stdin_data=test.get("input", ""),
-        )
+        outcome = _in_child(_code_test(job["code"], test), settings, wall_s=left, stdin_data=test.get("input", ""))
         outcomes.append(outcome)
         if outcome["status"] in ("sandbox_violation", "syntax_error"):
             break  # the same for every test
@@ -268,11 +320,30 @@ def _function_job(job: dict, function, settings: dict) -> dict:
             return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
         return {"status": "scored", "value": float(value)}
 
-    return {
-        "outcome": _in_child(
-            target, wall_s=settings["wall_s"], memory_mb=settings["memory_mb"], output_bytes=settings["output_bytes"]
-        )
-    }
+    return {"outcome": _in_child(target, settings, wall_s=settings["wall_s"])}
+
+
+def _judge_job(job: dict, settings: dict) -> dict:
+    """An assert test's judge program (its expected side, from the dataset) run on the values a
+    solution sent back; the process that runs it has never run model-written code."""
+
+    def target() -> dict:
+        try:
+            namespace = {f"_rlvr_value_{i}": decode_value(v) for i, v in enumerate(job["values"])}
+            exec(compile(job["judge"], "<test>", "exec"), {"__name__": "judge", **namespace})
+        except BaseException as err:
+            return _error(err)
+        return {"status": "passed"}
+
+    return {"outcome": _in_child(target, settings, wall_s=settings["wall_s"])}
+
+
+def readable_paths() -> list[str]:
+    """What a child may read: the Python installation (the standard library, installed
+    packages) and system libraries; no home, data or temporary directory."""
+    prefixes = {sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix}
+    system = ["/usr", "/lib", "/lib64", "/etc", "/sys/devices/system/cpu", "/dev/null", "/dev/urandom", "/dev/zero"]
+    return sorted({os.path.realpath(p) for p in [*prefixes, *system] if os.path.exists(p)})
 
 
 def load_function(spec: dict):
@@ -310,8 +381,12 @@ def _serve() -> None:
             return
     drop_capabilities()
     confine_writes(task["workdir"])
+    task["readable"] = None if function else readable_paths()  # a user's own verifier may read its files
     for job in task["jobs"]:
-        answer = _function_job(job, function, task) if function else _code_job(job, task)
+        if function:
+            answer = _function_job(job, function, task)
+        else:
+            answer = _judge_job(job, task) if "judge" in job else _code_job(job, task)
         protocol.write(json.dumps(answer) + "\n")
 
 
