@@ -3,7 +3,7 @@
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
 Scenarios: parity (logprobs vs HF, one train step, export), ckpt-save, ckpt-load, descent,
-replay-r2, replay-r3, replay-r3-perturbed, short-batch.
+replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget.
 Writes this rank's JSON result to $RESULT.
 """
 
@@ -422,6 +422,60 @@ def short_batch(learner: Learner, hf_dir: str) -> dict:
     }
 
 
+def long_tailed_batch(vocab: int) -> TrainBatch:
+    """16 samples of 24 positions: prompts of 4 tokens, responses mostly short with a long tail
+    (two rows fill or nearly fill the row), in mixed order so that budgets cut them unevenly."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, vocab, (16, 24), generator=gen)
+    mask = torch.zeros(16, 24)
+    for b, n in enumerate([2, 3, 1, 20, 4, 2, 3, 6, 2, 19, 3, 2, 5, 2, 12, 3]):
+        mask[b, 4 : 4 + n] = 1
+    return TrainBatch(ids, mask)
+
+
+BUDGETED = ["trainer.max_tokens_per_microbatch=20", "trainer.max_tokens_per_logprob_microbatch=36"]
+
+
+def budget_equality(hf_dir: str, overrides: list[str]) -> dict:
+    """Token-budget micro-batches (uneven cuts, different in the two passes, the two longest
+    rows over the training budget) against one padded micro-batch per rank and mini-batch,
+    without replay, with R2 (routers perturbed between the passes) and with R3: logprobs,
+    entropy, loss, grad norm, and this rank's gradient buffers after the step."""
+    out: dict = {}
+    for mode in ("none", "r2", "r3"):
+        seen: dict[str, dict] = {}
+        for name, extra in (("padded", ["trainer.micro_batch_size=8"]), ("budget", BUDGETED)):
+            learner = Learner(load_config(None, [*BASE, *overrides, f"algo.routing_replay={mode}", *extra]), hf_dir)
+            batch = long_tailed_batch(learner.bridge.hf_config.vocab_size)
+            if mode == "r3":
+                batch = with_engine_routing(
+                    batch, hf_routing(hf_dir, batch.input_ids), learner.bridge.hf_config.num_experts
+                )
+            probe = UsedRouting(learner) if mode != "none" else None
+            logprobs = learner.compute_logprobs(batch)
+            if mode == "r2":
+                perturb_routers(learner, 1.0)
+            metrics = learner.train_step(with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids)))
+            grads = torch.cat([p.main_grad.flatten().cpu() for m in learner.modules for p in m.parameters()])
+            seen[name] = {"logprobs": logprobs, "metrics": metrics, "grads": grads, "probe": probe}
+            del learner
+        padded, budget = seen["padded"], seen["budget"]
+        counted = torch.zeros_like(batch.response_mask, dtype=torch.bool)
+        counted[:, 1:] = batch.response_mask[:, 1:] > 0
+        out[mode] = {
+            "logprob_diff": float(
+                ((padded["logprobs"] - budget["logprobs"]).abs() / padded["logprobs"].abs().clamp(min=1))[counted].max()
+            ),
+            "grad_diff": float((padded["grads"] - budget["grads"]).abs().max()),
+            "grad_scale": float(padded["grads"].abs().max()),
+            "padded": padded["metrics"],
+            "budget": budget["metrics"],
+            "mismatched": [c["probe"].mismatched for c in (padded, budget) if c["probe"]],
+            "checked": [c["probe"].checked for c in (padded, budget) if c["probe"]],
+        }
+    return out
+
+
 def main() -> None:
     import logging
 
@@ -436,6 +490,11 @@ def main() -> None:
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
     cfg = load_config(None, [*BASE, *rest])
     init_parallel(cfg.parallel, seed=cfg.trainer.seed)
+    if scenario == "budget":  # builds its own learners
+        with open(os.environ["RESULT"], "w") as f:
+            json.dump(budget_equality(hf_dir, rest), f)
+        destroy_parallel()
+        return
     learner = Learner(cfg, hf_dir)
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     if scenario == "parity":

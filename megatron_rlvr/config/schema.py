@@ -379,7 +379,20 @@ class TrainerConfig(Section):
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to lr")
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
-    micro_batch_size: PositiveInt = Field(8, description="sequences per forward/backward")
+    micro_batch_size: PositiveInt = Field(
+        8, description="sequences per forward/backward, each padded to the batch's longest; unused under a token budget"
+    )
+    max_tokens_per_microbatch: PositiveInt | None = Field(
+        None,
+        description="token budget of a training micro-batch (rows × its longest row): a rank's rows are cut "
+        "longest first into as few micro-batches as fit (first-fit decreasing), each padded only to its own "
+        "longest row; a longer row goes alone. None: micro_batch_size rows per micro-batch",
+    )
+    max_tokens_per_logprob_microbatch: PositiveInt | None = Field(
+        None,
+        description="token budget of a micro-batch of the forward-only logprob pass (no activations kept for "
+        "backward: it can take more); None: max_tokens_per_microbatch",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
     distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")
     lr_decay_style: Literal["constant", "linear", "cosine"] = Field(

@@ -8,6 +8,7 @@ right-padded: with causal attention, real tokens never see the padding after the
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
@@ -46,6 +47,18 @@ class TrainBatch:
         padded: dict[str, Any] = {f.name: pad(getattr(self, f.name)) for f in fields(self)}
         return replace(self, **padded)
 
+    def trimmed_to(self, width: int) -> TrainBatch:
+        """The first `width` positions of every per-token tensor (right-padded to it if shorter)."""
+        padded = self.padded_to(width) if width > self.input_ids.shape[1] else self
+        return replace(
+            padded,
+            **{
+                f.name: t[:, :width]
+                for f in fields(padded)
+                if (t := getattr(padded, f.name)) is not None and t.dim() >= 2
+            },
+        )
+
 
 def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
     """Repeats the last row until the batch size is a multiple (padding rows count nothing:
@@ -72,8 +85,86 @@ def minibatch_indices(batch_size: int, num_minibatches: int, dp_size: int, dp_ra
     return [torch.arange(per_rank) + (k * dp_size + dp_rank) * per_rank for k in range(num_minibatches)]
 
 
-def micro_batches(batch: TrainBatch, micro_batch_size: int) -> list[TrainBatch]:
-    micro_batch_size = min(micro_batch_size, batch.size)
-    if batch.size % micro_batch_size:
-        raise ValueError(f"{batch.size} samples per rank do not split into micro-batches of {micro_batch_size}")
-    return [batch.select(torch.arange(i, i + micro_batch_size)) for i in range(0, batch.size, micro_batch_size)]
+def micro_batches(batch: TrainBatch, rows: torch.Tensor, micro_batch_size: int) -> list[MicroBatch]:
+    """`rows` (indices of `batch`) in micro-batches of micro_batch_size rows, each as wide as the batch."""
+    micro_batch_size = min(micro_batch_size, len(rows))
+    if len(rows) % micro_batch_size:
+        raise ValueError(f"{len(rows)} samples per rank do not split into micro-batches of {micro_batch_size}")
+    chunks = rows.split(micro_batch_size)
+    return [MicroBatch(batch.select(chunk), chunk) for chunk in chunks]
+
+
+# ----------------------------------------------------------------------------- token budgets
+@dataclass
+class MicroBatch:
+    """One forward's rows: `data` (under a token budget trimmed to its longest row) and `rows`, the indices of
+    those rows in `batch` (a filler micro-batch, which only keeps the data-parallel ranks'
+    forward counts equal, holds one masked row and no index)."""
+
+    data: TrainBatch
+    rows: torch.Tensor
+
+
+def row_extents(batch: TrainBatch) -> torch.Tensor:
+    """Positions each row needs [B]: up to its last response token (causal attention: later
+    positions change nothing before them); 0 for a row with no response token."""
+    positions = torch.arange(1, batch.input_ids.shape[1] + 1).expand_as(batch.response_mask)
+    return torch.where(batch.response_mask > 0, positions, torch.zeros_like(positions)).amax(dim=1)
+
+
+def _width(extent: int, multiple: int) -> int:
+    return max(math.ceil(extent / multiple) * multiple, multiple)
+
+
+def budget_bins(extents: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
+    """First-fit decreasing: rows longest first, each into the first micro-batch whose cost,
+    rows × its longest row (rounded up to `multiple`), stays within max_tokens. A row longer
+    than the budget gets a micro-batch of its own; rows with no tokens go nowhere."""
+    order = sorted((i for i, n in enumerate(extents) if n > 0), key=lambda i: (-extents[i], i))
+    bins: list[list[int]] = []
+    for row in order:
+        for b in bins:
+            if (len(b) + 1) * _width(extents[b[0]], multiple) <= max_tokens:
+                b.append(row)
+                break
+        else:
+            bins.append([row])
+    return bins
+
+
+def even_out(bins: list[list[int]], count: int) -> list[list[int]]:
+    """Splits the fullest micro-batches in two (then adds empty ones) until there are `count`:
+    every data-parallel rank runs as many forwards (expert parallel exchanges tokens in each)."""
+    bins = [list(b) for b in bins]
+    while len(bins) < count:
+        fullest = max(range(len(bins)), key=lambda i: len(bins[i]), default=None)
+        if fullest is None or len(bins[fullest]) < 2:
+            bins.append([])
+            continue
+        b = bins.pop(fullest)
+        bins[fullest:fullest] = [b[: len(b) // 2], b[len(b) // 2 :]]
+    return bins
+
+
+def budget_micro_batches(
+    batch: TrainBatch, rows_per_rank: list[torch.Tensor], rank: int, max_tokens: int, multiple: int = 1
+) -> tuple[list[MicroBatch], list[int]]:
+    """This rank's micro-batches of `rows_per_rank[rank]` (indices of `batch`) under a token
+    budget, as many as the data-parallel rank with the most, each trimmed to its longest row
+    (rounded up to `multiple`: sequence parallel splits positions over TP); and the widths
+    of the rows longer than the budget. Every rank plans every rank's cut from the same batch, so no
+    rank asks another."""
+    extents = row_extents(batch)
+    plans = [budget_bins(extents[rows].tolist(), max_tokens, multiple) for rows in rows_per_rank]
+    mine = rows_per_rank[rank]
+    micro = []
+    for b in even_out(plans[rank], max(len(p) for p in plans)):
+        rows = mine[torch.tensor(b, dtype=torch.long)]
+        if len(rows):
+            data = batch.select(rows).trimmed_to(_width(int(extents[rows].max()), multiple))
+        else:
+            data = batch.select(mine[:1]).trimmed_to(multiple)
+            data.response_mask.zero_()
+        micro.append(MicroBatch(data, rows))
+    over = [width for i in mine if (width := _width(int(extents[i]), multiple)) > max_tokens]
+    return micro, over

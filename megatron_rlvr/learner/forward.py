@@ -18,7 +18,7 @@ from megatron_rlvr.algo.from_config import loss_options
 from megatron_rlvr.algo.losses import AGGREGATIONS, policy_loss
 from megatron_rlvr.algo.metrics import masked_mean
 from megatron_rlvr.config import AlgoConfig
-from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.learner.batch import MicroBatch, TrainBatch
 from megatron_rlvr.learner.logits import logprobs_and_entropy
 from megatron_rlvr.learner.parallel import device as rank_device
 
@@ -26,53 +26,55 @@ from megatron_rlvr.learner.parallel import device as rank_device
 class MicroBatchHooks(Protocol):
     """Called around each micro-batch's forward on this rank (routing replay uses it)."""
 
-    def before_forward(self, index: int, mb: TrainBatch) -> None: ...
+    def before_forward(self, mb: MicroBatch) -> None: ...
 
-    def after_forward(self, index: int, mb: TrainBatch, output: torch.Tensor) -> None: ...
+    def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None: ...
 
 
 def run_schedule(
     chunks,
-    micro: list[TrainBatch],
+    micro: list[MicroBatch],
     loss_fn,
     *,
     forward_only: bool,
     collect: bool,
     hooks: MicroBatchHooks | None = None,
-    first_index: int = 0,
 ):
+    """One schedule call over the micro-batches. Their shapes may differ (token budgets): the
+    pipeline then sends each activation's shape ahead of it (variable_seq_lengths, which the
+    learner turns on for budgeted pipelines)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    seq_length = micro[0].input_ids.shape[1]
     device = rank_device()
 
     def forward_step(data_iterator, model):
-        index, mb = next(data_iterator)
-        ids = mb.input_ids.to(device)
-        positions = torch.arange(seq_length, device=device).unsqueeze(0).expand_as(ids)
+        mb = next(data_iterator)
+        ids = mb.data.input_ids.to(device)
+        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
         if hooks is not None:
-            hooks.before_forward(index, mb)
+            hooks.before_forward(mb)
         output = model(ids, positions, None)
         if hooks is not None:
-            hooks.after_forward(index, mb, output)
-        return output, partial(loss_fn, mb)
+            hooks.after_forward(mb, output)
+        return output, partial(loss_fn, mb.data)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,
-        data_iterator=iter(enumerate(micro, start=first_index)),
+        data_iterator=iter(micro),
         model=chunks,
         num_microbatches=len(micro),
-        seq_length=seq_length,
-        micro_batch_size=micro[0].size,
+        seq_length=micro[0].data.input_ids.shape[1],
+        micro_batch_size=micro[0].data.size,
         forward_only=forward_only,
         collect_non_loss_data=collect,
     )
 
 
 def forward_logprobs(
-    chunks, micro: list[TrainBatch], temperature: float, hooks: MicroBatchHooks | None = None
-) -> torch.Tensor | None:
-    """Logprobs [n, T] of this rank's micro-batches on the last pipeline stage, else None."""
+    chunks, micro: list[MicroBatch], temperature: float, hooks: MicroBatchHooks | None = None
+) -> list[torch.Tensor] | None:
+    """Logprobs [rows, width] of each of this rank's micro-batches on the last pipeline stage,
+    else None."""
     from megatron.core import parallel_state as mpu
 
     def collect(mb, output, non_loss_data=True):
@@ -80,7 +82,7 @@ def forward_logprobs(
 
     with torch.no_grad():
         outputs = run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
-    return torch.cat(outputs) if mpu.is_pipeline_last_stage() else None  # on the rank's device
+    return list(outputs) if mpu.is_pipeline_last_stage() else None  # on the rank's device
 
 
 def step_normalizer(batch: TrainBatch, agg: str) -> float:
@@ -93,14 +95,13 @@ def step_normalizer(batch: TrainBatch, agg: str) -> float:
 
 def train_minibatch(
     chunks,
-    micro: list[TrainBatch],
+    micro: list[MicroBatch],
     algo: AlgoConfig,
     *,
     normalizer: float,
     sum_norm_divisor: float,
     temperature: float,
     hooks: MicroBatchHooks | None = None,
-    first_index: int = 0,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward+backward of one mini-batch's micro-batches; gradients accumulate in the DDP
     buffers. Each micro-batch's loss is divided by the whole mini-batch's global count, then
@@ -139,7 +140,7 @@ def train_minibatch(
         metrics["tokens"] = mask.sum().detach()
         return loss * scale, metrics
 
-    return run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks, first_index=first_index)
+    return run_schedule(chunks, micro, loss_fn, forward_only=False, collect=False, hooks=hooks)
 
 
 def reduce_metrics(per_micro: list[dict[str, torch.Tensor]]) -> dict[str, float]:

@@ -4,6 +4,7 @@ checkpoints. Every method is collective: all learner ranks call it with the same
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,7 +13,14 @@ import torch.distributed as dist
 
 from megatron_rlvr.config import HFModel, ResolvedConfig
 from megatron_rlvr.learner import model as model_lib
-from megatron_rlvr.learner.batch import TrainBatch, micro_batches, minibatch_indices, pad_rows
+from megatron_rlvr.learner.batch import (
+    MicroBatch,
+    TrainBatch,
+    budget_micro_batches,
+    micro_batches,
+    minibatch_indices,
+    pad_rows,
+)
 from megatron_rlvr.learner.checkpoint import load_model
 from megatron_rlvr.learner.forward import (
     forward_logprobs,
@@ -24,6 +32,7 @@ from megatron_rlvr.learner.parallel import device as rank_device
 from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay, WatchRouting
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+log = logging.getLogger(__name__)
 
 
 def _fingerprint(batch: TrainBatch) -> tuple:
@@ -70,6 +79,12 @@ class Learner:
         self.optimizer = self._make_optimizer(dtype)
         self.scheduler = self._make_scheduler()
         tcfg.finalize_model_grads_func = finalize_model_grads
+        t = cfg.trainer
+        if cfg.parallel.pp > 1 and (t.max_tokens_per_microbatch or t.max_tokens_per_logprob_microbatch):
+            # budgeted micro-batches differ in shape: each pipeline send carries its shape first
+            # (our dispatcher is alltoall; Megatron refuses this with allgather)
+            tcfg.variable_seq_lengths = True
+        self._said_over_budget = False
         tcfg.grad_scale_func = self.optimizer.scale_loss
         self.step = 0
         self.replay = None
@@ -129,16 +144,46 @@ class Learner:
         return [c.module for c in self.chunks]
 
     # ------------------------------------------------------------------ layout helpers
-    def _local_batches(self, batch: TrainBatch, num_minibatches: int) -> tuple[list[torch.Tensor], list[TrainBatch]]:
-        """This DP rank's sample indices per mini-batch, and those mini-batches, padded for
-        sequence parallel."""
+    def _micro_batches(
+        self, batch: TrainBatch, rows_per_rank: list[list[torch.Tensor]], max_tokens: int | None
+    ) -> list[MicroBatch]:
+        """This DP rank's micro-batches of its row groups (`rows_per_rank[rank]`, indices of
+        the batch, one group per mini-batch): micro_batch_size rows of each group, or, under a
+        token budget, the rank's rows of all groups cut by the budget."""
         from megatron.core import parallel_state as mpu
 
-        batch = batch.padded_to(self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1)
-        index = minibatch_indices(
-            batch.size, num_minibatches, mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank()
-        )
-        return index, [batch.select(i) for i in index]
+        multiple = self._seq_multiple
+        batch = batch.padded_to(multiple)
+        rank = mpu.get_data_parallel_rank()
+        if max_tokens is None:
+            return [
+                mb
+                for rows in rows_per_rank[rank]
+                for mb in micro_batches(batch, rows, self.cfg.trainer.micro_batch_size)
+            ]
+        flat = [torch.cat(groups) for groups in rows_per_rank]
+        micro, over = budget_micro_batches(batch, flat, rank, max_tokens, multiple)
+        if over and not self._said_over_budget:
+            self._said_over_budget = True
+            log.warning(
+                "samples longer than the token budget of %d tokens (here the longest needs %d) each get a "
+                "micro-batch of their own (said once)",
+                max_tokens,
+                max(over),
+            )
+        return micro
+
+    @property
+    def _seq_multiple(self) -> int:
+        """What every micro-batch's width is a multiple of: sequence parallel splits positions over TP."""
+        return self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1
+
+    def _rows_per_rank(self, batch_size: int, num_minibatches: int) -> list[list[torch.Tensor]]:
+        """Every DP rank's sample indices per mini-batch."""
+        from megatron.core import parallel_state as mpu
+
+        dp = mpu.get_data_parallel_world_size()
+        return [minibatch_indices(batch_size, num_minibatches, dp, rank) for rank in range(dp)]
 
     # ------------------------------------------------------------------ calls
     def _routing_hooks(self, batch: TrainBatch, phase: str):
@@ -191,26 +236,32 @@ class Learner:
         if not old_logprob_pass:
             num_minibatches = 1
             batch = pad_rows(batch, mpu.get_data_parallel_world_size())
-        index, local = self._local_batches(batch, num_minibatches)
-        micro = [mb for mini in local for mb in micro_batches(mini, self.cfg.trainer.micro_batch_size)]
+        t = self.cfg.trainer
+        per_rank = self._rows_per_rank(batch.size, num_minibatches)
+        micro = self._micro_batches(batch, per_rank, t.max_tokens_per_logprob_microbatch or t.max_tokens_per_microbatch)
         hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else None
-        ours = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
+        per_micro = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
         if self.replay is not None and old_logprob_pass:
             self.replay.clear()
             self.replay.stop_measuring()
             self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
-        width = local[0].input_ids.shape[1]
+        mine = torch.cat(per_rank[mpu.get_data_parallel_rank()])
+        width = batch.padded_to(self._seq_multiple).input_ids.shape[1]
         device = rank_device()  # the collectives' tensors live on the groups' device
-        ours = torch.zeros(sum(len(i) for i in index), width, device=device) if ours is None else ours
+        ours = torch.zeros(len(mine), width, device=device)
+        if per_micro is not None:  # the last pipeline stage: each row at its place among this rank's
+            position = torch.empty(batch.size, dtype=torch.long)
+            position[mine] = torch.arange(len(mine))
+            for mb, logprobs in zip(micro, per_micro):
+                ours[position[mb.rows], : logprobs.shape[1]] = logprobs[: len(mb.rows)]
         if mpu.get_pipeline_model_parallel_world_size() > 1:
             last = mpu.get_pipeline_model_parallel_last_rank()
             dist.broadcast(ours, src=last, group=mpu.get_pipeline_model_parallel_group())
-        dp = mpu.get_data_parallel_world_size()
-        gathered = [torch.empty_like(ours) for _ in range(dp)]
+        gathered = [torch.empty_like(ours) for _ in per_rank]
         dist.all_gather(gathered, ours, group=mpu.get_data_parallel_group())
         full = torch.zeros(batch.size, width)
-        for rank, part in enumerate(gathered):
-            full[torch.cat(minibatch_indices(batch.size, num_minibatches, dp, rank))] = part.cpu()
+        for groups, part in zip(per_rank, gathered):
+            full[torch.cat(groups)] = part.cpu()
         return full[:rows, : batch.input_ids.shape[1]]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
@@ -218,19 +269,21 @@ class Learner:
         old_logprobs). Returns metrics averaged over mini-batches, plus the last grad norm."""
         for chunk in self.chunks:
             chunk.train()
-        _, local = self._local_batches(batch, self.cfg.algo.num_minibatches)
         per_mini = self.cfg.algo.num_minibatches
+        per_rank = self._rows_per_rank(batch.size, per_mini)
         full_minis = [
             batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
             for k in range(per_mini)
         ]
         history: list[dict[str, float]] = []
         hooks = self._routing_hooks(batch, "train")
-        for k, (mini, full) in enumerate(zip(local, full_minis)):
+        for k, full in enumerate(full_minis):
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
-            micro = micro_batches(mini, self.cfg.trainer.micro_batch_size)
+            micro = self._micro_batches(
+                batch, [[groups[k]] for groups in per_rank], self.cfg.trainer.max_tokens_per_microbatch
+            )
             outputs = train_minibatch(
                 self.chunks,
                 micro,
@@ -239,7 +292,6 @@ class Learner:
                 sum_norm_divisor=float(self.cfg.rollout.max_new_tokens),
                 temperature=self.cfg.rollout.temperature,
                 hooks=hooks,
-                first_index=k * len(micro),
             )
             if self.replay is not None:
                 self.replay.clear()

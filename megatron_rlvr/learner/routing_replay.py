@@ -3,8 +3,9 @@
 RouterReplay keeps, per router, ONE target index tensor for the next forward, in the router's
 local token order: [s_local · b, top_k], sequence-major, where s_local is this rank's
 sequence-parallel chunk. So targets are set before every micro-batch's forward, from:
-  R2: what the same micro-batch recorded during the old-logprob pass (same partition of the
-      batch into mini- and micro-batches, same rank), or
+  R2: what the old-logprob pass recorded for each of the micro-batch's rows, kept per row
+      (positions gathered over the SP ranks) so that the train step may cut the rank's rows
+      into other micro-batches (token budgets differ between the two passes), or
   R3: the engine's routing, a host tensor [B, T, num_hidden_layers, top_k], mapped here to
       this rank's tokens (SP chunk) and this stage's MoE layers (dense layers skipped).
 With activation recompute, the recomputed forward inside backward pops targets in micro-batch
@@ -24,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_rlvr.learner import ModelChunk
+from megatron_rlvr.learner.batch import MicroBatch
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -93,7 +95,9 @@ class RoutingReplay:
         self.sequence_parallel, self.recompute = sequence_parallel, recompute
         self.tp_rank = mpu.get_tensor_model_parallel_rank()
         self.tp_size = mpu.get_tensor_model_parallel_world_size()
-        self.recorded: dict[int, list[torch.Tensor]] = {}
+        self.recorded: dict[int, torch.Tensor] = {}  # batch row → [positions, local MoE layers, top_k]
+        experts = max((router.config.num_moe_experts for _, router in self.routers), default=0)
+        self._recorded_dtype = torch.uint8 if experts <= 256 else torch.int16 if experts <= 32768 else torch.int32
         self._agree = torch.zeros(num_layers, dtype=torch.float64)
         self._count = torch.zeros(num_layers, dtype=torch.float64)
         self._used = torch.zeros(num_layers, dtype=torch.float64)
@@ -126,11 +130,36 @@ class RoutingReplay:
                 router.router_replay.set_target_indices(target.long())
             self._valid = self.local_valid(response_mask)
 
-    def keep_recorded(self, index: int) -> None:
-        """After that forward: keep what each local router chose for this micro-batch."""
-        self.recorded[index] = [
-            router.router_replay.get_recorded_indices().detach().cpu() for _, router in self.routers
-        ]
+    def keep_recorded(self, rows: torch.Tensor, width: int) -> None:
+        """After that forward: keep what each local router chose, per row of the micro-batch
+        (`rows`, `width` positions), over all positions (gathered from the SP ranks)."""
+        from megatron.core import parallel_state as mpu
+
+        if not self.routers or not len(rows):
+            return
+        per_layer = []
+        for _, router in self.routers:
+            chosen = router.router_replay.get_recorded_indices().detach()
+            if self.sequence_parallel and self.tp_size > 1:
+                parts = [torch.empty_like(chosen) for _ in range(self.tp_size)]
+                dist.all_gather(parts, chosen, group=mpu.get_tensor_model_parallel_group())
+                chosen = torch.cat(parts)  # the SP chunks, in position order
+            per_layer.append(chosen.cpu().to(self._recorded_dtype).view(width, -1, self.top_k))
+        by_row = torch.stack(per_layer, dim=2).transpose(0, 1)  # [b, s, local layers, k]
+        for j, row in enumerate(rows.tolist()):
+            self.recorded[row] = by_row[j].clone()
+
+    def recorded_targets(self, rows: torch.Tensor, size: int, width: int) -> list[torch.Tensor]:
+        """R2's recorded routing for a micro-batch of `size` rows (`rows` of the batch, then
+        fillers) and `width` positions, per local MoE layer [s_local · b, k]. Positions past
+        what was recorded are padding (they reach no counted token): any distinct experts do."""
+        filler = torch.arange(self.top_k, dtype=self._recorded_dtype)
+        per_position = filler.expand(size, width, len(self.routers), self.top_k).clone()
+        for j, row in enumerate(rows.tolist()):
+            kept = self.recorded[row][:width]
+            per_position[j, : kept.shape[0]] = kept
+        local = local_token_order(per_position, self.tp_rank, self.tp_size, self.sequence_parallel)
+        return [local[:, i] for i in range(len(self.routers))]
 
     def replay(self, targets: list[torch.Tensor], valid: torch.Tensor) -> None:
         """Before a micro-batch forward: force each local router to `targets` (one tensor per
@@ -214,37 +243,38 @@ class WatchRouting:
     def __init__(self, replay: RoutingReplay):
         self.replay = replay
 
-    def before_forward(self, index: int, mb) -> None:
-        self.replay.watch(mb.routed_experts, mb.response_mask)
+    def before_forward(self, mb: MicroBatch) -> None:
+        self.replay.watch(mb.data.routed_experts, mb.data.response_mask)
 
-    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
+    def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
         pass
 
 
 class RecordRouting(WatchRouting):
     """Micro-batch hooks of the R2 old-logprob pass: record every router's choice."""
 
-    def before_forward(self, index: int, mb) -> None:
-        super().before_forward(index, mb)
+    def before_forward(self, mb: MicroBatch) -> None:
+        super().before_forward(mb)
         self.replay.record()
 
-    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
-        self.replay.keep_recorded(index)
+    def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
+        self.replay.keep_recorded(mb.rows, mb.data.input_ids.shape[1])
 
 
 class ReplayRouting:
-    """Micro-batch hooks that force the routers: to what R2 recorded for the same micro-batch,
+    """Micro-batch hooks that force the routers: to what R2 recorded for the micro-batch's rows,
     or (R3) to the engine's routing carried by the micro-batch."""
 
     def __init__(self, replay: RoutingReplay, source: str):
         self.replay, self.source = replay, source
 
-    def before_forward(self, index: int, mb) -> None:
+    def before_forward(self, mb: MicroBatch) -> None:
+        data = mb.data
         if self.source == "recorded":
-            targets = self.replay.recorded[index]
+            targets = self.replay.recorded_targets(mb.rows, data.size, data.input_ids.shape[1])
         else:
-            targets = self.replay.engine_targets(mb.routed_experts)
-        self.replay.replay(targets, self.replay.local_valid(mb.response_mask))
+            targets = self.replay.engine_targets(data.routed_experts)
+        self.replay.replay(targets, self.replay.local_valid(data.response_mask))
 
-    def after_forward(self, index: int, mb, output: torch.Tensor) -> None:
+    def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
         self.replay.replay_backward_on(output)
