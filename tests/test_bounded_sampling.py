@@ -171,7 +171,7 @@ def test_a_short_batch_is_laid_out_so_every_slot_splits_and_holds_real_rows(rows
     real_rows = []
     for index in minibatch_indices(laid_out.size, num_minibatches, dp, 0):
         part = laid_out.select(index)
-        micro_batches(part, micro)  # splits into whole micro-batches
+        micro_batches(laid_out, index, micro)  # splits into whole micro-batches
         real = part.response_mask.sum(-1) > 0
         assert real.any()  # every mini-batch trains on something
         real_rows += part.input_ids[real, 0].tolist()

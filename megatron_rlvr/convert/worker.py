@@ -98,7 +98,7 @@ def _logits(modules, tokens: list, workdir: str) -> None:
     from megatron.core import parallel_state as mpu
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
-    from megatron_rlvr.learner.batch import TrainBatch
+    from megatron_rlvr.learner.batch import MicroBatch, TrainBatch
     from megatron_rlvr.learner.forward import run_schedule
 
     ids = torch.tensor(tokens)
@@ -110,7 +110,11 @@ def _logits(modules, tokens: list, workdir: str) -> None:
 
     with torch.no_grad():
         outputs = run_schedule(
-            modules, [TrainBatch(ids, torch.zeros(ids.shape))], collect, forward_only=True, collect=True
+            modules,
+            [MicroBatch(TrainBatch(ids, torch.zeros(ids.shape)), torch.arange(len(ids)))],
+            collect,
+            forward_only=True,
+            collect=True,
         )
     if mpu.is_pipeline_last_stage() and mpu.get_tensor_model_parallel_rank() == 0 and mpu.get_data_parallel_rank() == 0:
         torch.save(outputs[0], Path(workdir) / "logits.pt")

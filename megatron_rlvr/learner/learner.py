@@ -80,10 +80,11 @@ class Learner:
         self.scheduler = self._make_scheduler()
         tcfg.finalize_model_grads_func = finalize_model_grads
         t = cfg.trainer
-        if cfg.parallel.pp > 1 and (t.max_tokens_per_microbatch or t.max_tokens_per_logprob_microbatch):
+        if t.max_tokens_per_microbatch or t.max_tokens_per_logprob_microbatch:
+            if tcfg.moe_token_dispatcher_type == "allgather":  # it needs equal shapes on every rank
+                raise ValueError("token-budget micro-batches need the alltoall MoE token dispatcher")
             # budgeted micro-batches differ in shape: each pipeline send carries its shape first
-            # (our dispatcher is alltoall; Megatron refuses this with allgather)
-            tcfg.variable_seq_lengths = True
+            tcfg.variable_seq_lengths = cfg.parallel.pp > 1
         self._said_over_budget = False
         tcfg.grad_scale_func = self.optimizer.scale_loss
         self.step = 0

@@ -273,6 +273,7 @@ class ReplayRouting:
         if self.source == "recorded":
             targets = self.replay.recorded_targets(mb.rows, data.size, data.input_ids.shape[1])
         else:
+            assert data.routed_experts is not None, "the learner checks R3 batches for routed experts"
             targets = self.replay.engine_targets(data.routed_experts)
         self.replay.replay(targets, self.replay.local_valid(data.response_mask))
 
