@@ -1,6 +1,7 @@
 """Token-budget micro-batches: the cut (first-fit decreasing, rows over the budget alone, equal
 forward counts over data-parallel ranks), and the learner with budgets against the padded
-path in real gloo worlds: world 1, TP2+SP, EP2, PP2, without replay, with R2 and with R3."""
+path in real gloo worlds: world 1, TP2+SP, EP2, PP2 (with activation recompute), without
+replay, with R2 and with R3: one process launch per layout."""
 
 import pytest
 import torch
@@ -58,7 +59,7 @@ LAYOUTS = {
     "world1": (1, []),
     "tp2-sp": (2, ["parallel.tp=2"]),
     "ep2": (2, ["parallel.ep=2"]),
-    "pp2": (2, ["parallel.pp=2"]),
+    "pp2-recompute": (2, ["parallel.pp=2", "trainer.recompute_activations=true"]),
 }
 
 

@@ -4,6 +4,11 @@ data-parallel ranks and micro-batches.
 Per-token tensors are [B, T] aligned with *target* tokens: position t holds the value for
 input_ids[b, t] predicted from input_ids[b, :t]; position 0 never counts. Sequences are
 right-padded: with causal attention, real tokens never see the padding after them.
+
+Under a token budget each micro-batch is padded only to its own longest row. Rows are not
+packed into one sequence (Megatron's THD layout with PackedSeqParams): the local spec's
+DotProductAttention, the CPU learner's, refuses packed sequences; only transformer-engine's
+attention takes them.
 """
 
 from __future__ import annotations
