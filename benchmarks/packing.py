@@ -53,7 +53,11 @@ def main() -> None:
     spec = TinyModel(hidden_size=128, moe_intermediate_size=64)
     cfg = load_config(
         None,
-        [f"trainer.micro_batch_size={MICRO_BATCH}", "trainer.distributed_optimizer=false", "algo.tis_cap=null"],
+        [
+            f"trainer.micro_batch_size={MICRO_BATCH}",
+            "trainer.distributed_optimizer=false",
+            "algo.rollout_correction.rollout_is=null",
+        ],
     )
     hf_dir = build_tiny_hf_model(spec, tempfile.mkdtemp(), vocab_size=256)
     init_parallel(cfg.parallel, Rendezvous(rank=0, world_size=1, master_port=free_port()))

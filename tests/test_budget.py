@@ -72,7 +72,7 @@ def test_budgeted_step_equals_the_padded_step(layout, tiny_hf_dir, tmp_path):
             assert d["logprob_diff"] <= 1e-6, (where, d["logprob_diff"])  # relative, where |logprob| > 1
             assert d["grad_diff"] <= 1e-6 and d["grad_scale"] > 1e-3, (where, d["grad_diff"], d["grad_scale"])
             padded, budget = d["padded"], d["budget"]
-            for key in ("policy_loss", "entropy", "grad_norm", "clipfrac", "ratio_mean", "tis_weight_mean"):
+            for key in ("policy_loss", "entropy", "grad_norm", "clipfrac", "ratio_mean", "rollout_is_mean"):
                 assert budget[key] == pytest.approx(padded[key], rel=1e-6, abs=1e-6), (where, key)
             if mode != "none":
                 assert min(d["checked"]) > 0 and d["mismatched"] == [0, 0], where
