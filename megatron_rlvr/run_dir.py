@@ -189,19 +189,18 @@ def kill_point(phase: str, step: int) -> None:
 
 
 def kill_amid_writes(folder: Path, step: int) -> None:
-    """The test hook's "learner" phase: SIGKILL this process (a learner rank) as it opens the
-    second file it writes under `folder`, when the first is written and the rest are not."""
+    """The test hook's "learner" phase: SIGKILL this learner rank as the first file of its part
+    under `folder` is opened for writing, by it or by a writer process Megatron forks (which
+    then kills the rank and itself): the tensors are half written, the metadata not at all."""
     if os.environ.get(KILL_AT) != f"learner@{step}":
         return
-    prefix, opened = str(folder) + os.sep, []
+    rank, prefix = os.getpid(), str(folder) + os.sep
 
     def hook(event: str, args: tuple) -> None:
-        if event == "open" and isinstance(args[0], str | Path) and str(args[0]).startswith(prefix):
-            mode = args[1] if isinstance(args[1], str) else ""
-            if set(mode) & set("wax"):
-                opened.append(args[0])
-                if len(opened) == 2:
-                    os.kill(os.getpid(), signal.SIGKILL)
+        writing = event == "open" and isinstance(args[1], str) and bool(set(args[1]) & set("wax"))
+        if writing and str(args[0]).startswith(prefix):
+            os.kill(rank, signal.SIGKILL)
+            os.kill(os.getpid(), signal.SIGKILL)
 
     sys.addaudithook(hook)  # cannot be removed: the process dies in it
 
