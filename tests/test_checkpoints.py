@@ -191,7 +191,7 @@ def steps_logged(out: Path) -> list[int]:
 # (phase, the step a resume continues from after a SIGKILL there while saving step 3)
 PHASES = [
     ("begin", 2),  # the step folder made, nothing in it
-    ("learner", 2),  # in the learner's part: its first file written, the second being opened
+    ("learner", 2),  # in the learner's part: tensor files being written, its metadata not
     ("run_state", 2),  # the learner's part written, the rollout side's not
     ("seal", 2),  # everything written and synced, the manifest not
     ("latest", 2),  # complete, `latest` still naming step 2
@@ -199,37 +199,34 @@ PHASES = [
 ]
 
 
-def kill_then_resume(out: Path, phase: str, resumes_at: int) -> None:
-    """Saving step 3 is killed at `phase` (in a resumed run when the folder holds one); the
-    folders are as that moment leaves them, and the next resume continues from `resumes_at`."""
+def kill_then_check(out: Path, phase: str, step: int, resumes_at: int) -> None:
+    """Saving `step` is killed at `phase` (in a resumed run when the folder holds one); the
+    folders are as that moment leaves them, and `latest` names the step a resume takes."""
     fresh = not out.exists()
-    train(out, "trainer.steps=3", *([] if fresh else ["trainer.resume=true"]), kill_at=f"{phase}@3")
+    train(out, f"trainer.steps={step}", *([] if fresh else ["trainer.resume=true"]), kill_at=f"{phase}@{step}")
     latest, folders = on_disk(out)
     assert latest == f"step_{resumes_at:06d}", phase
-    assert folders.get("step_000003", False) == (phase in ("latest", "prune")), (phase, folders)
+    assert folders.get(f"step_{step:06d}", False) == (phase in ("latest", "prune")), (phase, folders)
     if phase == "learner":  # killed amid Megatron's writes: tensors partly there, metadata not
-        written = {p.name for p in (out / "checkpoint" / "step_000003" / "learner").iterdir()}
+        written = {p.name for p in (out / "checkpoint" / f"step_{step:06d}" / "learner").iterdir()}
         assert not written & {"metadata.json", ".metadata"}, written
     if phase == "prune":
-        assert folders["step_000001"]  # not removed yet: the kill came first
-    assert steps_logged(out)[-1] == 3  # step 3's metrics were logged before its save
+        assert folders[f"step_{step - 2:06d}"]  # not removed yet: the kill came first
+    assert steps_logged(out)[-1] == step  # the step's metrics were logged before its save
 
 
 def test_a_run_killed_mid_save_resumes_from_a_whole_checkpoint(tmp_path):
-    """Killed in the learner's part of a save (files half there), then in a resumed run
-    after the folder was complete but before `latest` moved; `latest` then damaged by hand:
-    each resume takes a whole checkpoint, the one it says, and the run ends with the
-    keep_checkpoints newest folders on disk."""
+    """Killed amid the learner's writes while saving step 2; `latest` then pointed at that
+    half-written folder by hand: the resume says why it does not take it, continues from
+    step 1, and the run ends with the keep_checkpoints newest folders on disk."""
     out = tmp_path / "run"
-    kill_then_resume(out, "learner", 2)
-    kill_then_resume(out, "latest", 2)
-    (out / "checkpoint" / "latest").write_text("step_3")  # damaged: the newest complete is step 3
-    done = train(out, "trainer.steps=4", "trainer.resume=true")
-    assert "latest names 'step_3', but step_3 is incomplete (no complete.json" in done
-    assert "resuming from the newest complete checkpoint" in done
-    assert "step_000003 at step 3" in done
-    assert steps_logged(out) == [1, 2, 3, 4]
-    assert on_disk(out) == ("step_000004", {"step_000003": True, "step_000004": True})
+    kill_then_check(out, "learner", 2, 1)
+    (out / "checkpoint" / "latest").write_text("step_000002\n")
+    done = train(out, "trainer.steps=2", "trainer.resume=true")
+    assert "latest names 'step_000002', but step_000002 is incomplete (no complete.json" in done
+    assert "resuming from the newest complete checkpoint" in done and "step_000001 at step 1" in done
+    assert steps_logged(out) == [1, 2]
+    assert on_disk(out) == ("step_000002", {"step_000001": True, "step_000002": True})
 
 
 @pytest.mark.slow
@@ -238,9 +235,10 @@ def test_a_run_killed_at_every_moment_of_a_save_resumes_as_if_never_killed(tmp_p
     logs (a synchronous CPU run is deterministic), so no resume mixed two checkpoints."""
     out = tmp_path / "run"
     for phase, resumes_at in PHASES:
-        kill_then_resume(out, phase, resumes_at)
+        kill_then_check(out, phase, 3, resumes_at)
     done = train(out, "trainer.steps=4", "trainer.resume=true")
-    assert "resumed from" in done and "step_000003 at step 3" in done
+    assert "resumed from" in done and "step_000003 at step 3" in done  # the prune kill's latest
+    assert "resuming from the newest complete" not in done
     assert on_disk(out) == ("step_000004", {"step_000003": True, "step_000004": True})
     train(tmp_path / "whole", "trainer.steps=4")
     noisy = ("time/", "weight_sync/seconds", "weight_sync/parity_max_gap", "train/mismatch_")
