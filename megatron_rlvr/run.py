@@ -230,11 +230,12 @@ class Run:
         """A checkpoint of the last finished step, in a folder of its own: the learner's part,
         then the rollout side's beside it, then the manifest that makes it complete; only
         then does `latest` move to it and are older ones removed (run_dir's layout)."""
-        root, step = self.checkpoints, self.finished_step
+        root, step, state = self.checkpoints, self.finished_step, self._rollout_snapshot
+        assert state is not None and state["step"] == step, "finish_step() records the state a save writes"
         folder = run_dir.begin_save(root, step)
         self.learners.save(folder / run_dir.LEARNER)
         run_dir.kill_point("run_state", step)
-        run_dir.write_atomically(folder / run_dir.RUN_STATE, run_dir.dump_run_state(self._rollout_snapshot or {}))
+        run_dir.write_atomically(folder / run_dir.RUN_STATE, run_dir.dump_run_state(state))
         run_dir.seal(folder, step)
         run_dir.point_latest(root, folder, step)
         self.saved_step = step

@@ -132,6 +132,28 @@ def test_the_run_state_round_trips_through_json_and_reads_no_objects(tmp_path):
         run_dir.load_run_state(path)
 
 
+def test_a_learner_checkpoint_that_cannot_be_read_is_one_line(tmp_path):
+    """A common.pt cut short (what a kill mid-save left in the old layout: `EOFError` from
+    torch.load in every trial) is refused in one line naming the folder, before any state of
+    the learner changes."""
+    import torch
+
+    from megatron_rlvr.learner.checkpoint import load_checkpoint
+
+    folder = tmp_path / "learner"
+    folder.mkdir()
+    (folder / "metadata.json").write_text(
+        '{"sharded_backend": "torch_dist", "sharded_backend_version": 1, '
+        '"common_backend": "torch", "common_backend_version": 1}'
+    )
+    torch.save({"step": 3, "layout": [1, 1, 1, 1, 1]}, folder / "common.pt")
+    whole = (folder / "common.pt").read_bytes()
+    (folder / "common.pt").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(CheckpointError) as refused:
+        load_checkpoint(None, folder)
+    assert str(refused.value).startswith(f"checkpoint {folder} cannot be read (") and "\n" not in str(refused.value)
+
+
 # ----------------------------------------------------------------------------- runs killed mid-save
 def train(out: Path, *overrides: str, kill_at: str | None = None) -> str:
     """A short local run (saved every step, two kept); KILL_AT given, it is SIGKILLed there.
