@@ -15,6 +15,7 @@ import pytest
 import torch
 from conftest import build_tiny_gpt_oss
 
+from megatron_rlvr import run_dir
 from megatron_rlvr.config import TinyModel
 from megatron_rlvr.convert.checks import ConvertError
 from megatron_rlvr.convert.commands import describe, hf_to_mcore, mcore_to_hf
@@ -200,7 +201,14 @@ def test_learner_starts_from_a_converted_checkpoint_and_its_checkpoint_converts_
     # the learner's own checkpoint (with optimizer state) carries no HF config: --hf-config gives it
     with pytest.raises(ConvertError, match="pass --hf-config"):
         mcore_to_hf(learner_ckpt, tmp_path / "refused")
-    figures = mcore_to_hf(learner_ckpt, tmp_path / "hf", hf_config=config_only)
+    # as a run keeps it: a step folder, sealed, that `latest` names; --ckpt takes the run's folder
+    root = tmp_path / "run" / run_dir.CHECKPOINT
+    step = run_dir.begin_save(root, 1)
+    learner_ckpt.rename(step / run_dir.LEARNER)
+    (step / run_dir.RUN_STATE).write_bytes(run_dir.dump_run_state({"step": 1}))
+    run_dir.seal(step, 1)
+    run_dir.point_latest(root, step, 1)
+    figures = mcore_to_hf(root, tmp_path / "hf", hf_config=config_only)
     assert figures["max_logit_diff"] <= FP32_LOGIT_DIFF and "tensors" not in figures
     trained = _read_all(tmp_path / "trained.safetensors")
     exported = {name: t for f in (tmp_path / "hf").glob("*.safetensors") for name, t in _read_all(f).items()}
