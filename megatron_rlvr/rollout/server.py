@@ -141,7 +141,7 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         req = await _parse(request, p.PauseGenerationReqInput)
-        engine.pause(req.mode)
+        await asyncio.to_thread(engine.pause, req.mode)  # returns when the engine stands between steps
         return {"success": True, "message": f"paused ({req.mode})"}
 
     @app.post("/continue_generation")
