@@ -152,6 +152,14 @@ class ActiveSampler:
             task, self._keep_busy_task = self._keep_busy_task, None
             await task
 
+    async def stop_generating(self) -> None:
+        """Ends generation with nothing unaccounted for: no more top-ups, every group in
+        flight aborted, and each filed (the buffer counts them under dropped_aborted)."""
+        await self._stop_keeping_busy()
+        await self.manager.abort_all()
+        while self._pending:
+            await self._file(await self._next_finished())
+
     async def _file(self, group: Group) -> None:
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
