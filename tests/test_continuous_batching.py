@@ -91,8 +91,15 @@ def test_a_sequence_spans_two_versions_with_the_logprobs_of_each(tiny_hf_dir, mo
         engine.stop()
     switch = seq.versions.index("1")  # the first token computed under the new weights
     assert switch >= 6 and set(seq.versions[:switch]) == {"0"} and set(seq.versions[switch:]) == {"1"}
-    old_logp, _ = hf_teacher_forced(tiny_hf_dir, prompt, seq.output_ids, 0.7)
+    old_logp, old_routing = hf_teacher_forced(tiny_hf_dir, prompt, seq.output_ids, 0.7)
     got = torch.tensor(seq.logprobs)
+    fed_under_old = len(prompt) + switch - 1  # positions fed before the sync
+    routing = np.stack(seq.routing)
+    assert len(routing) == len(prompt) + len(seq.output_ids) - 1
+    # in place, each position keeps the routing it was fed with (what R3 must replay);
+    # retracted, every position is routed again under the new weights
+    kept = np.array_equal(routing[:fed_under_old], old_routing[:fed_under_old].numpy())
+    assert kept == (mode == "in_place")
     assert (got[:switch] - old_logp[:switch]).abs().max() <= 1e-5
     out = seq.output_ids
     with torch.no_grad():

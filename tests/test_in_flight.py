@@ -32,7 +32,7 @@ def sample(index: int, response: list[int], spans: list[dict], reward: float) ->
         response_ids=response,
         rollout_logprobs=[-0.5] * len(response),
         finish_reason="stop",
-        weight_version=spans[-1]["version"],
+        weight_version=spans[-1]["version"] if spans else "0",
         weight_versions=spans,
         reward=reward,
     )

@@ -16,7 +16,8 @@ enough of them ends the run (NothingToLearn) with what the prompts' histories sa
 In flight (rollout.updates = in_flight) the engines never wait for the learner: groups are
 filed as they finish (a slow group holds back no other), and between fills the sampler keeps
 about one batch's worth of groups generating and files them, so groups still generating when
-a batch is taken go on across weight updates and serve a later step."""
+a batch is taken go on across weight updates and serve a later step. Generation runs at most
+one batch ahead: past that, groups would only wait in the buffer and go stale."""
 
 from __future__ import annotations
 
@@ -137,11 +138,14 @@ class ActiveSampler:
         self._pending.remove(group.group_id)
         return group
 
-    async def _keep_busy(self, batch_groups: int) -> None:
-        """Between fills (in flight): keeps enough groups generating for the next batch and
-        files each as it finishes, until the next fill takes over."""
+    async def _keep_busy(self, batch_groups: int, policy_version: int) -> None:
+        """Between fills (in flight): generates toward the next batch (for policy_version)
+        and files each group as it finishes, until the next fill takes over or that batch's
+        useful groups are there (more would only go stale)."""
         while self._keep_going:
-            self._top_up(batch_groups, self.max_in_flight)
+            self._top_up(batch_groups - await self.buffer.useful(policy_version), self.max_in_flight)
+            if not self._pending:
+                return
             await self._file(await self._next_finished())
 
     async def _stop_keeping_busy(self) -> None:
@@ -201,7 +205,7 @@ class ActiveSampler:
         batch = await self.buffer.get_batch(min(useful, batch_groups), policy_version)
         if self.in_flight:
             self._keep_going = True
-            self._keep_busy_task = asyncio.create_task(self._keep_busy(batch_groups))
+            self._keep_busy_task = asyncio.create_task(self._keep_busy(batch_groups, policy_version + 1))
         return batch
 
     def _nothing_to_learn(self, useful: int) -> str:
