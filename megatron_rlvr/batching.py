@@ -1,5 +1,5 @@
 """Scored groups → the learner's batch: tokens right-padded, response masks, rollout
-logprobs at their token positions, group-relative advantages, and (R3) the engine's routing."""
+logprobs and policy versions at their token positions, group-relative advantages, and (R3) the engine's routing."""
 
 from __future__ import annotations
 
@@ -33,15 +33,17 @@ def groups_to_batch(
     ids = torch.full((len(samples), width), pad_id, dtype=torch.long)
     mask = torch.zeros(len(samples), width)
     rollout = torch.zeros(len(samples), width)
+    versions = torch.full((len(samples), width), -1, dtype=torch.long)
     for row, s in enumerate(samples):
         tokens = s.prompt_ids + s.response_ids
         start, end = len(s.prompt_ids), len(tokens)
         ids[row, :end] = torch.tensor(tokens)
         mask[row, start:end] = 1
         rollout[row, start:end] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        versions[row, start:end] = torch.tensor(s.token_versions(), dtype=torch.long)
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
     advantages = torch.cat(advantages_of_groups(rewards, advantage, prompt_ids=[g.prompt_id for g in groups], ema=ema))
-    batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout)
+    batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout, token_versions=versions)
     if routing is not None:
         layers, top_k = routing
         missing = [f"{s.group_id}/{s.index}" for s in samples if s.routed_experts is None]

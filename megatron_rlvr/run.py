@@ -164,7 +164,8 @@ class Run:
     def request_batch(self, policy_version: int) -> None:
         """Starts generating the next batch of useful groups on the rollout thread. Synchronous
         runs drain what is in flight, so no group straddles a weight update."""
-        fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version, drain=not self.cfg.buffer.async_rollout)
+        overlap = self.cfg.buffer.async_rollout or self.cfg.rollout.updates == "in_flight"
+        fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version, drain=not overlap)
         self.pending = self.rollout.submit(fill)
 
     def evaluate(self, step: int) -> dict:
@@ -415,6 +416,7 @@ def _start(run: Run, placement: Placement) -> None:
         min_groups=min_groups,
         encode=train.encode,
         decode=decode,
+        in_flight=cfg.rollout.updates == "in_flight",
     )
     run.evaluator = build_evaluator(cfg, renderer, run.manager, run.verifiers, decode, sampling.stop_token_ids, loaded)
 

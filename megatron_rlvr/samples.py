@@ -23,6 +23,15 @@ class Sample:
     reward: float | None = None
     engine: str = ""
 
+    def token_versions(self) -> list[int]:
+        """The policy version that computed each response token, from the engine's spans (a
+        reply without spans: every token the version of the last one)."""
+        versions = [int(self.weight_version)] * len(self.response_ids)
+        for span in self.weight_versions:
+            start, end = span["start"], min(span["end"], len(versions))
+            versions[start:end] = [int(span["version"])] * max(end - start, 0)
+        return versions
+
 
 @dataclass
 class Group:

@@ -4,7 +4,9 @@ probe) → metrics → checkpoint.
 
 Synchronous runs generate the next batch after the weight sync. With buffer.async_rollout
 the next batch is generated while this one trains, by a policy at most one version older
-(the buffer drops anything staler than buffer.max_staleness)."""
+(the buffer drops anything staler than buffer.max_staleness). With rollout.updates =
+in_flight the engines never stop: weight syncs land in the middle of sequences, and each
+step's metrics say how stale its tokens were and how busy the engines and the learner were."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from dataclasses import dataclass, field
 from megatron_rlvr.algo.from_config import advantage_options
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import ResolvedConfig
+from megatron_rlvr.loop_metrics import staleness_metrics
 from megatron_rlvr.reporting import RunReport
 from megatron_rlvr.rollout.sampler import NothingToLearn
 from megatron_rlvr.run import Run, open_run
@@ -34,7 +37,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
     teach (the outcome says so, after a checkpoint)."""
     stop = stop or StopSignals()
     outcome = Outcome()
-    steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout
+    steps, overlap = cfg.trainer.steps, cfg.buffer.async_rollout or cfg.rollout.updates == "in_flight"
     advantage = advantage_options(cfg.algo)
     with open_run(cfg, stop) as run:
         first = (run.resume() if cfg.trainer.resume else 0) + 1
@@ -44,6 +47,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 report.log_eval(0, run.evaluate(0))  # the initial policy, before any rollout
             if first <= steps and run.pending is None:  # a resumed async run may have its next batch
                 run.request_batch(run.version)
+            lap = time.perf_counter()  # the end of the previous step's metrics line
             for step in range(first, steps + 1):
                 started = time.perf_counter()
                 groups = run.next_batch()
@@ -59,9 +63,12 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                     slots=cfg.algo.num_minibatches * cfg.parallel.dp,
                     micro_batch_size=cfg.trainer.micro_batch_size,
                 )
+                staleness = staleness_metrics(batch, run.version)
+                learner_started = time.perf_counter()
                 bypass = cfg.algo.rollout_correction.bypass_mode  # the engine's logprobs are the old ones
                 batch.old_logprobs = batch.rollout_logprobs if bypass else run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)
+                learner_s = time.perf_counter() - learner_started
                 run.version += 1
                 run.trained_step = step
                 run.trained_groups += len(groups)
@@ -69,6 +76,9 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 metrics = step_metrics(
                     step, run, learner_metrics, sync_metrics, time.perf_counter() - started, len(groups)
                 )
+                now = time.perf_counter()
+                wall_s, lap = now - lap, now
+                metrics.update(staleness | overlap_metrics(run, metrics["rollout/tokens"], learner_s, wall_s))
                 metrics.update(run.evaluate(step))  # {} unless evaluation is due
                 report.log(metrics)
                 outcome.history.append(metrics)
@@ -88,6 +98,21 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
             report.close()
     outcome.teardown_failures = run.teardown_failures
     return outcome
+
+
+def overlap_metrics(run: Run, tokens: int, learner_s: float, wall_s: float) -> dict:
+    """How well generation and training overlapped over the step's wall time (from the end of
+    the previous metrics line): tokens generated per second, and the engines' and the
+    learner's busy shares."""
+
+    async def engines_busy() -> float:
+        return run.manager.busy_fraction(wall_s)
+
+    return {
+        "loop/tokens_per_s": tokens / wall_s,
+        "loop/engine_busy_fraction": run.rollout.run(engines_busy()),
+        "loop/learner_busy_fraction": learner_s / wall_s,
+    }
 
 
 def step_metrics(step: int, run: Run, learner: dict, sync: dict, seconds: float, batch_groups: int) -> dict:

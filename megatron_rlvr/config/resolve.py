@@ -148,6 +148,18 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             "rollout.return_routed_experts = false: algo.routing_replay = r3 replays the "
             "engine's routing, so the engine must capture it (set true or leave null)"
         )
+    if r.updates == "in_flight" and cfg.weight_sync.pause_mode == "abort":
+        problems.append(
+            "weight_sync.pause_mode = abort: rollout.updates = in_flight continues sequences across "
+            "a sync, abort would end them (use in_place or retract)"
+        )
+    elif r.updates == "in_flight" and a.routing_replay == "r3" and cfg.weight_sync.pause_mode != "in_place":
+        problems.append(
+            f"weight_sync.pause_mode = {cfg.weight_sync.pause_mode}: with rollout.updates = in_flight and "
+            "algo.routing_replay = r3 the pause must be in_place; a retracted sequence is routed again "
+            "under the new weights, so the routing replayed for its earlier tokens would not be the one "
+            "that produced them"
+        )
     if a.clip_ratio_c is not None and a.kind != "grpo":
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
     layout_wrong = bool(problems)

@@ -293,6 +293,13 @@ class RolloutConfig(Section):
         description="a sampling seed per group from trainer.seed, for reproducible rollouts; "
         "None: on for the CPU engine (which derives one per sample), off for SGLang",
     )
+    updates: Literal["between_batches", "in_flight"] = Field(
+        "between_batches",
+        description="when new weights reach generation: between_batches (synchronous, or one step "
+        "ahead with buffer.async_rollout); in_flight: engines never drain, a sync pauses them "
+        "(weight_sync.pause_mode), sequences continue under the new weights, groups are filed as "
+        "they finish and unfinished ones serve a later step (docs/in-flight.md)",
+    )
 
 
 # ----------------------------------------------------------------------------- buffer

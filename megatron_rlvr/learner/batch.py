@@ -28,6 +28,7 @@ class TrainBatch:
     old_logprobs: torch.Tensor | None = None  # [B, T]
     rollout_logprobs: torch.Tensor | None = None  # [B, T]
     routed_experts: torch.Tensor | None = None  # [B, T, num_hidden_layers, top_k]: engine routing (R3)
+    token_versions: torch.Tensor | None = None  # [B, T] long: policy version of each response token (-1: none)
 
     @property
     def size(self) -> int:

@@ -1,10 +1,13 @@
 """The CPU rollout engine: SGLang's generation semantics on top of HF transformers.
 
-One scheduler thread runs generation rounds: it takes every waiting sequence, left-pads them
-into one batch, prefills, then decodes token by token with a KV cache. Between decode steps
-it honours aborts and pauses (abort, retract: drop the KV and re-prefill later under whatever
-weights are loaded then, in_place: keep the KV and wait). Every token that goes through the
-model has its router top-k recorded, so `routed_experts` covers exactly positions
+One scheduler thread batches continuously: a sequence that finishes leaves the batch at that
+step, and waiting sequences join the running batch at the next one (prefilled together, their
+KV cache merged into the running one: rollout/cohort.py), so a long sequence holds one slot,
+not the whole batch. Between decode steps it honours aborts and pauses (abort, retract: drop
+the KV and re-prefill later under whatever weights are loaded then, in_place: keep the KV and
+wait; the tokens sampled after continue come from the new weights, and each output token is
+tagged with the weight version of the forward that produced its logits). Every token that goes
+through the model has its router top-k recorded, so `routed_experts` covers exactly positions
 0 … seq_len − 2, as SGLang's does. Logprobs are of the temperature-scaled distribution
 (log_softmax(logits / T); raw logits when T = 0), before top-p/top-k truncation.
 
@@ -25,6 +28,7 @@ import numpy as np
 import torch
 
 from megatron_rlvr.families import Family, family_of, read_hf_config
+from megatron_rlvr.rollout.cohort import Cohort
 from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
 
 
@@ -115,6 +119,7 @@ class CpuEngine:
         self._running: list[Sequence] = []
         self._paused: str | None = None  # None | "abort" | "retract" | "in_place"
         self._stopped = False
+        self._stepping = False  # the scheduler is inside a step (prefill or decode), lock released
         self._seeds = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
         self._thread.start()
@@ -185,7 +190,10 @@ class CpuEngine:
             self._cond.notify_all()
         return len(matched)
 
-    def pause(self, mode: str) -> None:
+    def pause(self, mode: str, park_timeout_s: float = 120.0) -> None:
+        """Pauses generation. Returns once the scheduler stands between steps (a forward in
+        progress has finished), so weights loaded after this never meet a forward that
+        started before it, and every token is tagged with the version that computed it."""
         with self._cond:
             self._paused = mode
             if mode == "abort":
@@ -195,6 +203,8 @@ class CpuEngine:
                     self._waiting.remove(seq)
                     self._finish(seq, FinishReason(type="abort", message="generation paused (abort)"))
             self._cond.notify_all()
+            if not self._cond.wait_for(lambda: not self._stepping or self._stopped, park_timeout_s):
+                raise EngineError(f"generation did not stop between decode steps within {park_timeout_s:.0f} s")
 
     def resume(self) -> None:
         with self._cond:
@@ -215,23 +225,34 @@ class CpuEngine:
 
     # ------------------------------------------------------------------ scheduler
     def _loop(self) -> None:
+        """Each turn: apply aborts and pauses, admit waiting sequences into free slots
+        (prefilled together, merged into the running batch), then one decode step for every
+        running sequence. A finished sequence leaves its slot at the step it finishes."""
+        cohorts: list[Cohort] = []
         while True:
             with self._cond:
-                while not self._stopped and (self._paused or not self._waiting):
+                self._stepping = False
+                self._cond.notify_all()  # a pause waiting for the step to end
+                cohorts = self._between_steps(cohorts)
+                while not self._stopped and not cohorts and (self._paused or not self._waiting):
                     self._cond.wait()
                 if self._stopped:
                     return
-                batch, self._waiting = self._waiting[: self.max_batch], self._waiting[self.max_batch :]
-                self._running = batch
+                room = 0 if self._paused else self.max_batch - sum(len(c.seqs) for c in cohorts)
+                joiners, self._waiting = self._waiting[:room], self._waiting[room:]
+                self._running = [s for c in cohorts for s in c.seqs] + joiners
+                self._stepping = True
             try:
-                self._generate(batch)
-            except Exception as err:  # a broken round must not strand its requests
-                for seq in batch:
+                if joiners:
+                    newcomers = self._prefill(joiners)
+                    if not (cohorts and cohorts[0].merge(newcomers)):
+                        cohorts.append(newcomers)
+                cohorts = [c for c in cohorts if self._decode(c)]
+            except Exception as err:  # a broken step must not strand its requests
+                for seq in self._running:
                     if not seq.future.done():
                         seq.future.set_exception(err)
-            finally:
-                with self._cond:
-                    self._running = []
+                cohorts = []
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
@@ -239,13 +260,15 @@ class CpuEngine:
             seq.future.set_result(seq)
 
     def _forward(self, ids, attention, positions, past):
+        """One forward under the model lock; returns it with the weight version it ran under."""
         with self.model_lock, torch.no_grad():
             self._routing_step.clear()
-            return self.model(
+            out = self.model(
                 input_ids=ids, attention_mask=attention, position_ids=positions, past_key_values=past, use_cache=True
             )
+            return out, self.weight_version
 
-    def _generate(self, batch: list[Sequence]) -> None:
+    def _prefill(self, batch: list[Sequence]) -> Cohort:
         width = max(len(s.tokens) for s in batch)
         ids = torch.zeros(len(batch), width, dtype=torch.long)
         attention = torch.zeros(len(batch), width, dtype=torch.long)
@@ -255,44 +278,62 @@ class CpuEngine:
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
         for seq in batch:
             seq.routing = []  # a (re)prefill routes every position again, under current weights
-        out = self._forward(ids, attention, positions, None)
+        out, version = self._forward(ids, attention, positions, None)
         self._record_routing(batch, out, [len(s.tokens) for s in batch])
-        generators = [torch.Generator().manual_seed(s.seed + len(s.output_ids)) for s in batch]
-        active = [True] * len(batch)
-        while True:
-            next_ids = torch.zeros(len(batch), 1, dtype=torch.long)
-            for i, seq in enumerate(batch):
-                if active[i]:
-                    token, logprob = _sample(out.logits[i, -1].float(), seq.params, generators[i])
-                    seq.output_ids.append(token)
-                    seq.logprobs.append(logprob)
-                    seq.versions.append(self.weight_version)
-                    next_ids[i, 0] = token
-                    reason = self._stop_reason(seq, token)
-                    if reason is not None:
-                        active[i] = False
-                        self._finish(seq, reason)
-            if not self._between_steps(batch, active):
-                return
-            attention = torch.cat([attention, torch.ones(len(batch), 1, dtype=torch.long)], dim=1)
-            positions = positions[:, -1:] + 1
-            out = self._forward(next_ids, attention, positions, out.past_key_values)
-            self._record_routing([s if a else None for s, a in zip(batch, active)], out, [1] * len(batch))
+        return Cohort(
+            seqs=list(batch),
+            generators=[torch.Generator().manual_seed(s.seed + len(s.output_ids)) for s in batch],
+            cache=out.past_key_values,
+            attention=attention,
+            positions=positions[:, -1],
+            logits=out.logits[:, -1].float(),
+            versions=[version] * len(batch),
+        )
 
-    def _between_steps(self, batch: list[Sequence], active: list[bool]) -> bool:
-        """Applies aborts and pauses between decode steps; False when the round is over."""
-        with self._cond:
-            for i, seq in enumerate(batch):
-                if active[i] and seq.aborted:
-                    active[i] = False
-                    self._finish(seq, FinishReason(type="abort", message="aborted"))
-            if self._paused == "retract":
-                retracted = [s for s, a in zip(batch, active) if a]
-                self._waiting = retracted + self._waiting  # re-prefilled after continue
-                return False
-            while self._paused == "in_place" and not self._stopped:
-                self._cond.wait()
-            return any(active) and not self._stopped
+    def _decode(self, cohort: Cohort) -> bool:
+        """Samples every row's next token from its pending logits, drops the rows that
+        finished, and runs the forward of the rest; False when none is left."""
+        next_ids, going = [], []
+        for i, seq in enumerate(cohort.seqs):
+            token, logprob = _sample(cohort.logits[i], seq.params, cohort.generators[i])
+            seq.output_ids.append(token)
+            seq.logprobs.append(logprob)
+            seq.versions.append(cohort.versions[i])
+            reason = self._stop_reason(seq, token)
+            if reason is None:
+                going.append(i)
+                next_ids.append(token)
+            else:
+                self._finish(seq, reason)
+        cohort.keep(going)
+        if not going:
+            return False
+        attention = torch.cat([cohort.attention, torch.ones(len(going), 1, dtype=torch.long)], dim=1)
+        positions = cohort.positions + 1
+        out, version = self._forward(torch.tensor(next_ids)[:, None], attention, positions[:, None], cohort.cache)
+        self._record_routing(cohort.seqs, out, [1] * len(going))
+        cohort.cache, cohort.attention, cohort.positions = out.past_key_values, attention, positions
+        cohort.logits, cohort.versions = out.logits[:, -1].float(), [version] * len(going)
+        return True
+
+    def _between_steps(self, cohorts: list[Cohort]) -> list[Cohort]:
+        """Applies aborts and pauses between decode steps (the caller holds the lock): aborted
+        sequences finish with what they have, retract sends every running sequence back to
+        the queue (its KV dropped, re-prefilled after continue under the weights loaded
+        then), in_place waits here with every KV cache kept. Returns the cohorts left."""
+        for cohort in cohorts:
+            aborted = [seq for seq in cohort.seqs if seq.aborted]
+            for seq in aborted:
+                self._finish(seq, FinishReason(type="abort", message="aborted"))
+            cohort.keep([i for i, seq in enumerate(cohort.seqs) if not seq.aborted])
+        cohorts = [c for c in cohorts if c.seqs]
+        if self._paused == "retract" and cohorts:
+            self._waiting = [s for c in cohorts for s in c.seqs] + self._waiting
+            cohorts = []
+        self._running = [s for c in cohorts for s in c.seqs]
+        while self._paused == "in_place" and not self._stopped:
+            self._cond.wait()
+        return cohorts
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         p = seq.params

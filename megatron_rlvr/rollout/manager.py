@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+from megatron_rlvr.loop_metrics import BusyClock
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
 from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, decode_routed_experts
@@ -79,6 +80,7 @@ class RolloutManager:
         self.restarted: set[int] = set()  # back up, but holding initial weights
         self._weights_needed = asyncio.Event()  # set while every engine waits for weights
         self._current_version: str | None = None  # the policy version the last sync pushed
+        self.busy = [BusyClock() for _ in clients]  # per engine: time with a request running
 
     @property
     def in_flight(self) -> int:
@@ -166,7 +168,11 @@ class RolloutManager:
                 if engine is None:
                     break
             try:
-                responses = await self.clients[engine].generate(request)
+                self.busy[engine].start()
+                try:
+                    responses = await self.clients[engine].generate(request)
+                finally:
+                    self.busy[engine].stop()
                 group = self._group(item, group_id, responses, engine)
             except EngineUnavailable as err:
                 failures, error = failures + 1, str(err)
@@ -236,6 +242,10 @@ class RolloutManager:
             )
         aborted = any(s.finish_reason == "abort" for s in samples)
         return Group(item.prompt_id, group_id, samples, item.answer, aborted=aborted)
+
+    def busy_fraction(self, wall_s: float) -> float:
+        """The engines' mean share of `wall_s` with a request running, since the last call."""
+        return sum(clock.take() for clock in self.busy) / (len(self.busy) * wall_s) if wall_s > 0 else 0.0
 
     async def restart_unanswering(self) -> list[int]:
         """Schedules a restart of every engine that does not answer /health and is not being

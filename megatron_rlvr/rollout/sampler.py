@@ -11,10 +11,17 @@ same rollouts as an uninterrupted one.
 One step generates at most `max_groups` groups. Late in training most groups have zero reward
 std, and "until the batch is full" would otherwise mean hours of rollouts for nothing: at the
 bound the step gets the useful groups there are (a short batch), and a bound spent without
-enough of them ends the run (NothingToLearn) with what the prompts' histories say."""
+enough of them ends the run (NothingToLearn) with what the prompts' histories say.
+
+In flight (rollout.updates = in_flight) the engines never wait for the learner: groups are
+filed as they finish (a slow group holds back no other), and between fills the sampler keeps
+about one batch's worth of groups generating and files them, so groups still generating when
+a batch is taken go on across weight updates and serve a later step. Generation runs at most
+one batch ahead: past that, groups would only wait in the buffer and go stale."""
 
 from __future__ import annotations
 
+import asyncio
 import math
 import random
 from collections import deque
@@ -59,6 +66,7 @@ class ActiveSampler:
         max_groups: int = 2**31,
         min_groups: int = 1,
         history: PromptHistory | None = None,
+        in_flight: bool = False,
     ):
         """buffer: a Buffer, or a proxy with the same async methods (the Ray actor).
         max_groups: groups one fill may generate; min_groups: the fewest useful groups a
@@ -82,6 +90,9 @@ class ActiveSampler:
         self.tokens = 0  # response tokens generated since then
         self.short_batches = 0  # steps that got fewer than batch_groups groups at the bound
         self._generated = 0  # groups submitted by the latest fill
+        self.in_flight = in_flight
+        self._keep_busy_task: asyncio.Task | None = None  # in flight: generating between fills
+        self._keep_going = False
 
     def useful_fraction(self) -> float:
         """Kept / generated over the latest groups (the policy changes, so the fraction does),
@@ -123,6 +134,40 @@ class ActiveSampler:
         self._pending.popleft()
         return self._finished.pop(head)
 
+    async def _next_finished(self) -> Group:
+        """The next group to file: in submission order, or in flight the first to finish."""
+        if not self.in_flight:
+            return await self._next_in_order()
+        group = await self.manager.next_group()
+        self._pending.remove(group.group_id)
+        return group
+
+    async def _keep_busy(self, batch_groups: int, policy_version: int) -> None:
+        """Between fills (in flight): generates toward the next batch (for policy_version)
+        and files each group as it finishes, until the next fill takes over or that batch's
+        useful groups are there (more would only go stale)."""
+        while self._keep_going:
+            self._top_up(batch_groups - await self.buffer.useful(policy_version), self.max_in_flight)
+            if not self._pending:
+                return
+            await self._file(await self._next_finished())
+
+    async def _stop_keeping_busy(self) -> None:
+        """Lets the keep-busy task file the group it waits for, then end (never cancelled
+        mid-file: a group taken from the engines is always filed)."""
+        self._keep_going = False
+        if self._keep_busy_task is not None:
+            task, self._keep_busy_task = self._keep_busy_task, None
+            await task
+
+    async def stop_generating(self) -> None:
+        """Ends generation with nothing unaccounted for: no more top-ups, every group in
+        flight aborted, and each filed (the buffer counts them under dropped_aborted)."""
+        await self._stop_keeping_busy()
+        await self.manager.abort_all()
+        while self._pending:
+            await self._file(await self._next_finished())
+
     async def _file(self, group: Group) -> None:
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
@@ -146,21 +191,26 @@ class ActiveSampler:
         max_groups groups for them: at that bound, the useful groups there are (at least
         min_groups, else NothingToLearn). drain: also wait for every group still in flight
         (they go to the buffer), so none straddles a step."""
+        await self._stop_keeping_busy()
         self._generated = 0
         while (useful := await self.buffer.useful(policy_version)) < batch_groups:
             room = self.max_groups - self._generated
             if room <= 0 and not self._pending:
                 break
             self._top_up(batch_groups - useful, room)
-            await self._file(await self._next_in_order())
+            await self._file(await self._next_finished())
         while drain and self._pending:
-            await self._file(await self._next_in_order())
+            await self._file(await self._next_finished())
         useful = await self.buffer.useful(policy_version)
         if useful < batch_groups:
             if useful < self.min_groups:
                 raise NothingToLearn(self._nothing_to_learn(useful))
             self.short_batches += 1
-        return await self.buffer.get_batch(min(useful, batch_groups), policy_version)
+        batch = await self.buffer.get_batch(min(useful, batch_groups), policy_version)
+        if self.in_flight:
+            self._keep_going = True
+            self._keep_busy_task = asyncio.create_task(self._keep_busy(batch_groups, policy_version + 1))
+        return batch
 
     def _nothing_to_learn(self, useful: int) -> str:
         counts = self.history.counts()
@@ -189,7 +239,8 @@ class ActiveSampler:
 
     def state(self) -> dict:
         """What a resumed run needs to submit the same groups next. Exact between drained
-        steps; groups in flight (async runs) are not part of it and get regenerated."""
+        steps; groups in flight (async and in-flight runs) are not part of it: a resumed run
+        does not regenerate them, their prompts come round again in the next pass."""
         return {
             "rng": self._rng.getstate(),
             "order": [r.prompt_id for r in self._order],

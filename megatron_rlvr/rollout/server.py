@@ -155,7 +155,7 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_ke
     @app.post("/pause_generation")
     async def pause_generation(request: Request):
         req = await _parse(request, p.PauseGenerationReqInput)
-        engine.pause(req.mode)
+        await asyncio.to_thread(engine.pause, req.mode)  # returns when the engine stands between steps
         return {"success": True, "message": f"paused ({req.mode})"}
 
     @app.post("/continue_generation")

@@ -1,0 +1,167 @@
+"""rollout.updates = in_flight: every response token's policy version reaches the batch and
+the step's staleness metrics; the sampler files groups as they finish and keeps the engine
+generating between fills; the config refuses the combinations in-flight updates cannot honour."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from engine_fixtures import start_engine
+from test_config import _problems
+
+from megatron_rlvr.algo.from_config import advantage_options
+from megatron_rlvr.batching import groups_to_batch
+from megatron_rlvr.buffer.buffer import Buffer
+from megatron_rlvr.config import AlgoConfig
+from megatron_rlvr.data import PromptRecord
+from megatron_rlvr.loop_metrics import BusyClock, staleness_metrics
+from megatron_rlvr.rollout import protocol as p
+from megatron_rlvr.rollout.client import EngineClient
+from megatron_rlvr.rollout.manager import RolloutManager
+from megatron_rlvr.rollout.sampler import ActiveSampler
+from megatron_rlvr.samples import Group, Sample
+
+
+def sample(index: int, response: list[int], spans: list[dict], reward: float) -> Sample:
+    return Sample(
+        prompt_id="p",
+        group_id="g",
+        index=index,
+        prompt_ids=[1, 2],
+        response_ids=response,
+        rollout_logprobs=[-0.5] * len(response),
+        finish_reason="stop",
+        weight_version=spans[-1]["version"] if spans else "0",
+        weight_versions=spans,
+        reward=reward,
+    )
+
+
+def test_every_token_carries_its_version_into_the_batch_and_the_staleness_metrics():
+    spanning = sample(
+        0, [5, 6, 7, 8], [{"version": "2", "start": 0, "end": 3}, {"version": "3", "start": 3, "end": 4}], 1
+    )
+    single = sample(1, [9, 9], [{"version": "3", "start": 0, "end": 2}], 0)
+    assert spanning.token_versions() == [2, 2, 2, 3]
+    batch = groups_to_batch([Group("p", "g", [spanning, single])], advantage=advantage_options(AlgoConfig()))
+    assert batch.token_versions is not None
+    assert batch.token_versions[0].tolist() == [-1, -1, 2, 2, 2, 3]
+    assert batch.token_versions[1].tolist() == [-1, -1, 3, 3, -1, -1]
+    metrics = staleness_metrics(batch, policy_version=4)
+    assert metrics == {
+        "staleness/min": 1.0,
+        "staleness/mean": pytest.approx((3 * 2 + 3 * 1) / 6),
+        "staleness/max": 2.0,
+        "staleness/mixed_version_share": 0.5,
+    }
+    batch.response_mask[0, 2:5] = 0  # only the token of version 3 counts: no row mixes versions
+    assert staleness_metrics(batch, 4)["staleness/mixed_version_share"] == 0.0
+
+
+def test_the_busy_clock_counts_overlapping_requests_once():
+    clock = BusyClock()
+    clock.start()
+    clock.start()
+    time.sleep(0.05)
+    clock.stop()
+    clock.stop()
+    time.sleep(0.05)
+    busy = clock.take()
+    assert 0.05 <= busy < 0.1  # the idle stretch after both stopped does not count
+    assert clock.take() == 0.0
+
+
+PROMPTS = [PromptRecord(f"p{i}", str(i), str(i)) for i in range(16)]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_hf_dir, tmp_path_factory):
+    server = start_engine(tiny_hf_dir, tmp_path_factory.mktemp("engine"), routed=False)
+    yield server
+    server.stop()
+
+
+def test_in_flight_sampling_keeps_generating_between_fills_and_loses_no_group(engine):
+    async def score(responses, record):
+        return [float(i % 2) for i in range(len(responses))]  # every group useful
+
+    async def go():
+        client = EngineClient(engine.url)
+        manager = RolloutManager([client], p.SamplingParams(max_new_tokens=24, n=2, ignore_eos=True))
+        buffer = Buffer(max_staleness=5)
+        sampler = ActiveSampler(
+            manager,
+            buffer,
+            PROMPTS,
+            encode=lambda record: [1, 5 + int(record.prompt)],
+            decode=lambda ids: "",
+            score=score,
+            in_flight=True,
+        )
+        try:
+            first = await sampler.fill(2, policy_version=0)
+            filed = buffer.counts["generated"]
+            deadline = time.monotonic() + 60
+            while buffer.counts["generated"] <= filed:  # the engine goes on while "the learner trains"
+                assert time.monotonic() < deadline, "no group was filed between fills"
+                await asyncio.sleep(0.05)
+            assert manager.in_flight > 0
+            second = await sampler.fill(2, policy_version=1)
+            assert len(first) == len(second) == 2
+            assert not {g.group_id for g in first} & {g.group_id for g in second}
+            await sampler.stop_generating()
+            assert manager.in_flight == 0
+            assert buffer.counts["generated"] == sampler.submitted  # used, waiting or dropped: counted
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        (["rollout.updates=in_flight", "weight_sync.pause_mode=abort"], "weight_sync.pause_mode = abort"),
+        (
+            ["rollout.updates=in_flight", "algo.routing_replay=r3", "weight_sync.pause_mode=retract"],
+            "weight_sync.pause_mode = retract: with rollout.updates = in_flight and algo.routing_replay = r3",
+        ),
+    ],
+)
+def test_in_flight_refuses_what_it_cannot_honour(overrides, expected):
+    problems = _problems(overrides)
+    assert any(expected in line for line in problems) and all("\n" not in line for line in problems), problems
+
+
+def test_staleness_metrics_need_counted_tokens():
+    batch = groups_to_batch(
+        [Group("p", "g", [sample(0, [5], [{"version": "0", "start": 0, "end": 1}], 1), sample(1, [5], [], 0)])],
+        advantage=advantage_options(AlgoConfig()),
+    )
+    batch.response_mask = torch.zeros_like(batch.response_mask)
+    assert staleness_metrics(batch, 1) == {}
+
+
+def test_an_in_flight_r3_run_replays_the_routing_that_produced_every_token(tmp_path):
+    """End to end (CPU engine, local mode): syncs land while groups generate, every token's
+    staleness stays within the bound, and R3 replays the engine's routing exactly, for tokens
+    generated before a sync as for those after it."""
+    from test_train_e2e import train
+
+    metrics, _ = train(
+        tmp_path,
+        "launch.mode=local",
+        "algo.routing_replay=r3",
+        "rollout.updates=in_flight",
+        "weight_sync.pause_mode=in_place",
+        "buffer.max_staleness=2",
+        "rollout.max_new_tokens=96",
+    )
+    assert [m["step"] for m in metrics] == [1, 2, 3]
+    for m in metrics:
+        assert 0 <= m["staleness/min"] <= m["staleness/mean"] <= m["staleness/max"] <= 2
+        assert 0.0 <= m["staleness/mixed_version_share"] <= 1.0
+        assert m["train/routing_agreement_engine_used"] == 1.0
+        assert m["loop/tokens_per_s"] > 0 and 0.0 < m["loop/engine_busy_fraction"]
+        assert m["buffer/used"] == 4 * m["step"]
