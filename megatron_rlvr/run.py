@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from megatron_rlvr.launch.placement import Placement
 
 log = logging.getLogger(__name__)
-# an engine dying just as a sync begins is survived this many times in a row
+# an engine dying during a sync (before or after buckets went out) is survived this many times in a row
 SYNC_ATTEMPTS = 3
 
 
@@ -173,7 +173,7 @@ class Run:
             try:
                 metrics = self.learners.sync_weights(self.version)
                 break
-            except Exception as err:  # an engine that died as the sync began: restart it, sync again
+            except Exception as err:  # an engine that died during the sync: restart it, sync again
                 if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
                     raise
                 log.warning(
