@@ -171,7 +171,8 @@ class Run:
                 self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health", urgent_only=True
             )
             try:
-                metrics = self.learners.sync_weights(self.version)
+                restarted = self.rollout.run(self.manager.waiting_for_weights())
+                metrics = self.learners.sync_weights(self.version, restarted)
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
                 if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:

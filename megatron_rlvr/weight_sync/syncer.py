@@ -159,22 +159,28 @@ class WeightSyncer:
                 return held
             await asyncio.sleep(1.0)
 
-    async def _refresh_members(self, wait_s: float = 300.0) -> tuple[list[int], dict[int, str]]:
+    async def _refresh_members(
+        self, restarted_by_run: tuple[int, ...] = (), wait_s: float = 300.0
+    ) -> tuple[list[int], dict[int, str]]:
         """Re-forms the group when engines died or came back; returns those that joined and
         the version every live engine holds. A member back at the initial version after
         later syncs was restarted (its old process left the group): it needs the full
-        model, which every sync sends, so it simply joins again."""
+        model, which every sync sends, so it simply joins again. Before any sync a restart
+        does not show in the version: the run says which engines it restarted."""
         held = await self._survey(wait_s)
         if not held:
             raise WeightSyncError(
                 "no engine is alive to receive weights: " + ", ".join(c.base_url for c in self.clients)
             )
         live = sorted(held)
-        restarted = (
-            []
-            if self.version == self.initial_version
-            else [i for i in live if i in self.members and held[i] == str(self.initial_version)]
-        )
+        restarted = [
+            i
+            for i in live
+            if i in self.members
+            and (
+                i in restarted_by_run or (self.version != self.initial_version and held[i] == str(self.initial_version))
+            )
+        ]
         if live == self.members and not restarted and self.group is not None:
             return [], held
         lost = [self.clients[i].base_url for i in self.members if i not in live]
@@ -214,13 +220,16 @@ class WeightSyncer:
                     f"{' or '.join(sorted(accepted))}: it skipped or repeated an update"
                 )
 
-    async def sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        """Pushes the (HF name, tensor) stream to every engine as `version`."""
+    async def sync(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, restarted: Iterable[int] = ()
+    ) -> SyncReport:
+        """Pushes the (HF name, tensor) stream to every engine as `version`. restarted: engines
+        the run restarted since they last got weights (they rejoin the group)."""
         if not self.connected:
             raise WeightSyncError("connect() first")
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than the last sync ({self.version})")
-        joined, held = await self._refresh_members()  # joiners hold initial weights: not checked
+        joined, held = await self._refresh_members(tuple(restarted))  # joiners hold initial weights: not checked
         partial, self.interrupted = (version if self.interrupted == version else None), None
         await self._check_versions(self.version, "before the sync", skip=tuple(joined), held=held, partial=partial)
         start = time.perf_counter()

@@ -115,6 +115,7 @@ async def in_daemon_thread(fn: Callable[..., T], *args) -> T:
             future.set_result(result)
 
     def run() -> None:
+        outcome: tuple[T | None, BaseException | None]
         try:
             outcome = (fn(*args), None)
         except BaseException as err:  # handed to the waiter
