@@ -4,8 +4,11 @@ project's launcher."""
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -92,3 +95,28 @@ def hf_teacher_forced(model_dir, prompt: list[int], output: list[int], temperatu
     probs = [torch.softmax(lg.float(), -1) for lg in out.router_logits]
     routing = torch.stack([pr.topk(k, -1).indices for pr in probs], dim=1)  # [positions, layers, k]
     return logp, routing[:-1]
+
+
+def unread_requests(port: int) -> int:
+    """Bytes sent to a loopback server on `port` that it has not read yet (the kernel's receive
+    queues of its sockets, /proc/net/tcp): a request in flight it has not taken."""
+    total = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].split(":")[1], 16)
+        if local_port == port and fields[3] == "01":  # ESTABLISHED
+            total += int(fields[4].split(":")[1], 16)
+    return total
+
+
+def kill_with_requests_in_flight(server: psutil.Process, port: int, timeout_s: float = 120.0) -> None:
+    """SIGKILLs an engine server while a request to it is in flight, whatever the engine: it is
+    frozen (SIGSTOP) until a request sits unread in its socket, then killed."""
+    server.send_signal(signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    while unread_requests(port) == 0:
+        if time.monotonic() > deadline:
+            server.send_signal(signal.SIGCONT)
+            pytest.fail(f"no request reached the engine on port {port} within {timeout_s:.0f} s")
+        time.sleep(0.05)
+    server.send_signal(signal.SIGKILL)

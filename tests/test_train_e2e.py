@@ -165,16 +165,15 @@ def test_a_multi_rank_layout_in_local_mode_is_a_config_error(tmp_path):
 
 
 def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
-    """One engine server SIGKILLs itself on its 6th /generate, that request and the others it
-    holds in flight (the CPU engine's RLVR_TEST_DIE_ON_GENERATE hook: the first engine to get
-    there dies, once); the run goes on until the restarted engine has joined the weight
-    update group and one more step went by, then it is stopped (how long a restart takes
-    depends on the machine, so the run is not given a fixed length). Returns the metrics and
-    the run's log."""
+    """Once a step is logged (the next batch is being generated), one engine server is
+    SIGKILLed with a request in flight (frozen until one sits unread in its socket); the run
+    goes on until the restarted engine has joined the weight update group and one more step
+    went by, then it is stopped (how long a restart takes depends on the machine, so the run
+    is not given a fixed length). Returns the metrics and the run's log."""
     import signal
     import time
 
-    from megatron_rlvr.rollout.server import DIE_ON_GENERATE
+    from engine_fixtures import kill_with_requests_in_flight
 
     command = [
         sys.executable,
@@ -189,23 +188,23 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
         "buffer.batch_groups=4",
         "rollout.n_samples_per_prompt=4",
     ]
-    killed = tmp_path / "killed"
     log = open(tmp_path / "stderr.log", "w")
-    proc = subprocess.Popen(
-        command,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        cwd=REPO,
-        env={**os.environ, DIE_ON_GENERATE: f"6:{killed}"},
-    )
+    proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO)
     metrics = tmp_path / "run" / "metrics.jsonl"
 
     def rows() -> list[dict]:
         return [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
 
     deadline = time.monotonic() + 300
+    while len(rows()) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    servers = [
+        p for p in psutil.Process(proc.pid).children(recursive=True) if "rollout.server" in " ".join(p.cmdline())
+    ]
+    assert len(servers) == engines
+    kill_with_requests_in_flight(servers[0], int(servers[0].cmdline()[servers[0].cmdline().index("--port") + 1]))
     while time.monotonic() < deadline and proc.poll() is None:
-        if killed.exists() and "joined ['http" in (tmp_path / "stderr.log").read_text():
+        if "joined ['http" in (tmp_path / "stderr.log").read_text():
             rejoined_at = len(rows())
             while len(rows()) < rejoined_at + 1 and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -215,7 +214,7 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
     assert proc.wait(120) == 130, (tmp_path / "stderr.log").read_text()[-3000:]
     log.close()
     done = rows()
-    assert killed.exists() and [m["step"] for m in done] == list(range(1, len(done) + 1))
+    assert [m["step"] for m in done] == list(range(1, len(done) + 1))
     assert done[-1]["rollout/engines_serving"] == engines  # restarted, given the weights, serving again
     assert done[-1]["buffer/used"] == 4 * done[-1]["step"]
     return done, (tmp_path / "stderr.log").read_text()

@@ -11,10 +11,8 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import threading
 import time
-from collections.abc import Callable
 from typing import cast
 
 import torch
@@ -89,34 +87,9 @@ class WeightUpdates:
                 target.copy_(tensor.to(target.dtype))
 
 
-# A test hook (tests/test_train_e2e.py's engine-kill tests), read at start: "N:FLAG" makes
-# the server SIGKILL itself on its N-th /generate, its sequences in the engine, if it is the
-# first to create the file FLAG: one engine of a run dies, once, with requests in flight.
-DIE_ON_GENERATE = "RLVR_TEST_DIE_ON_GENERATE"
-
-
-def _die_on_generate(spec: str | None) -> Callable[[], None]:
-    if not spec:
-        return lambda: None
-    nth, flag = spec.split(":", 1)
-    calls = [0]
-
-    def count() -> None:
-        calls[0] += 1
-        if calls[0] == int(nth):
-            try:
-                os.close(os.open(flag, os.O_CREAT | os.O_EXCL))
-            except FileExistsError:  # another engine died, or this one before its restart
-                return
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return count
-
-
 def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> FastAPI:
     app = FastAPI(title="megatron-rlvr CPU engine (SGLang API)")
     updates = WeightUpdates(engine)
-    generated = _die_on_generate(os.environ.get(DIE_ON_GENERATE))
 
     @app.exception_handler(EngineError)
     async def engine_error(request: Request, err: EngineError):
@@ -151,7 +124,6 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False) -> Fas
         if len(rids) != len(prompts):
             raise EngineError(f"rid has {len(rids)} entries for {len(prompts)} prompts")
         groups = [engine.submit(ids, req.sampling_params, rid) for ids, rid in zip(prompts, rids)]
-        generated()
         finished = await asyncio.gather(*(asyncio.wrap_future(s.future) for g in groups for s in g))
         out = [_response(s, req, engine, return_routed_experts).model_dump(exclude_none=True) for s in finished]
         return out if req.is_batch or req.sampling_params.n > 1 else out[0]
