@@ -45,7 +45,7 @@ if TYPE_CHECKING:
     from megatron_rlvr.rollout.sampler import ActiveSampler
 
 log = logging.getLogger(__name__)
-# an engine dying just as a sync begins is survived this many times in a row
+# an engine dying during a sync (before or after buckets went out) is survived this many times in a row
 SYNC_ATTEMPTS = 3
 
 
@@ -185,9 +185,10 @@ class Run:
                 self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health", urgent_only=True
             )
             try:
-                metrics = self.learners.sync_weights(self.version)
+                restarted = self.rollout.run(self.manager.waiting_for_weights())
+                metrics = self.learners.sync_weights(self.version, restarted)
                 break
-            except Exception as err:  # an engine that died as the sync began: restart it, sync again
+            except Exception as err:  # an engine that died during the sync: restart it, sync again
                 if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
                     raise
                 log.warning(

@@ -4,8 +4,11 @@ project's launcher."""
 
 from __future__ import annotations
 
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -94,3 +97,35 @@ def hf_teacher_forced(model_dir, prompt: list[int], output: list[int], temperatu
     probs = [torch.softmax(lg.float(), -1) for lg in out.router_logits]
     routing = torch.stack([pr.topk(k, -1).indices for pr in probs], dim=1)  # [positions, layers, k]
     return logp, routing[:-1]
+
+
+def unread_requests(port: int) -> int:
+    """Connections to a loopback server on `port` holding bytes it has not read yet (the
+    kernel's receive queues, /proc/net/tcp): requests in flight it has not taken."""
+    count = 0
+    for line in Path("/proc/net/tcp").read_text().splitlines()[1:]:
+        fields = line.split()
+        local_port = int(fields[1].split(":")[1], 16)
+        if local_port == port and fields[3] == "01" and int(fields[4].split(":")[1], 16) > 0:  # ESTABLISHED
+            count += 1
+    return count
+
+
+def kill_with_requests_in_flight(server: psutil.Process, port: int, timeout_s: float = 240.0) -> None:
+    """SIGKILLs an engine server while rollout requests to it are in flight, whatever the
+    engine. It is frozen (SIGSTOP) in windows of a second until two requests at once sit
+    unread in its sockets: the rollout sends several groups at once, a weight sync one call at
+    a time (those are let through at once, and so is a broadcast: a window ends)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server.send_signal(signal.SIGSTOP)
+        window = time.monotonic() + 1.0
+        while time.monotonic() < window:
+            if unread_requests(port) >= 2:
+                time.sleep(0.05)  # let the rest of the batch's requests arrive
+                server.send_signal(signal.SIGKILL)
+                return
+            time.sleep(0.01)
+        server.send_signal(signal.SIGCONT)
+        time.sleep(0.3)
+    pytest.fail(f"no two requests at once reached the engine on port {port} within {timeout_s:.0f} s")

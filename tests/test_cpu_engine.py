@@ -222,8 +222,9 @@ def test_weight_update_rules(engine, tiny_hf_dir):
     bad = _update(engine, [name], [weights[name] * 2], flattened=True, checksum_ok=False)
     assert bad.status_code == 400 and "checksum mismatch" in bad.json()["message"]
     assert httpx.get(f"{engine.url}/model_info").json()["weight_version"] == before  # kept, and why:
-    stale = _update(engine, [name], [weights[name]], flattened=True, version=before)
-    assert stale.status_code == 400 and f"stale weight version {before}" in stale.json()["message"]
+    older = str(int(before) - 1)
+    stale = _update(engine, [name], [weights[name]], flattened=True, version=older)
+    assert stale.status_code == 400 and f"stale weight version {older}" in stale.json()["message"]
     outside = post(
         engine,
         "/update_weights_from_distributed",

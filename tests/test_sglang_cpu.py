@@ -20,7 +20,14 @@ import httpx
 import psutil
 import pytest
 import torch
-from engine_fixtures import REPO, hf_teacher_forced, sglang_process, sglang_python, start_sglang
+from engine_fixtures import (
+    REPO,
+    hf_teacher_forced,
+    kill_with_requests_in_flight,
+    sglang_process,
+    sglang_python,
+    start_sglang,
+)
 
 from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.rollout.client import EngineClient
@@ -246,12 +253,15 @@ def test_a_short_run_against_sglang_syncs_every_step_and_replays_its_routing(tmp
 
 
 def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_current_weights(tmp_path):
-    """Two SGLang engines; one is SIGKILLed while a batch is being generated. Its groups move
-    to the other, it is restarted, and it takes work again only once a sync gave it the
-    current weights; the run goes on to its last step."""
+    """Two SGLang engines; one is SIGKILLed with a request in flight as a batch is being
+    generated. Its groups move to the other, it is restarted, and it takes work again only
+    once a sync gave it the current weights; the run goes on to its last step."""
     log = open(tmp_path / "stderr.log", "w")
     proc = subprocess.Popen(
-        train_command(tmp_path, "trainer.steps=60", "launch.mode=local", "rollout.num_engines=2"),
+        # longer answers than the recipe's: a batch takes long enough for the kill to land in it
+        train_command(
+            tmp_path, "trainer.steps=60", "launch.mode=local", "rollout.num_engines=2", "rollout.max_new_tokens=16"
+        ),
         stdout=log,
         stderr=subprocess.STDOUT,
         cwd=REPO,
@@ -259,20 +269,20 @@ def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_c
     metrics = tmp_path / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 400
-        while len(rows(metrics)) < 2 and time.monotonic() < deadline and proc.poll() is None:
-            time.sleep(0.2)
+        while len(rows(metrics)) < 1 and time.monotonic() < deadline and proc.poll() is None:
+            time.sleep(0.02)  # a step is logged: the next batch is being generated
         servers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
             if "sglang.launch_server" in " ".join(p.cmdline()) and p.ppid() == proc.pid
         ]
         assert len(servers) == 2, (tmp_path / "stderr.log").read_text()[-3000:]
-        os.kill(servers[0].pid, signal.SIGKILL)
+        kill_with_requests_in_flight(servers[0], int(servers[0].cmdline()[servers[0].cmdline().index("--port") + 1]))
         killed_at = len(rows(metrics))
         while time.monotonic() < deadline and proc.poll() is None:
             if "joined ['http" in (tmp_path / "stderr.log").read_text():
                 rejoined_at = len(rows(metrics))
-                while len(rows(metrics)) < rejoined_at + 2 and time.monotonic() < deadline:
+                while len(rows(metrics)) < rejoined_at + 1 and time.monotonic() < deadline:
                     time.sleep(0.2)
                 break
             time.sleep(0.5)
@@ -281,11 +291,8 @@ def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_c
         assert proc.wait(120) == 130, (tmp_path / "stderr.log").read_text()[-3000:]
         log.close()
     done = rows(metrics)
-    assert [m["step"] for m in done] == list(range(1, len(done) + 1)) and len(done) >= killed_at + 3
-    # killed mid-batch, its groups went to the other engine; killed between batches (it can
-    # happen: the kill is timed by steps), the next sync found it silent and restarted it first
-    text = (tmp_path / "stderr.log").read_text()
-    assert done[-1]["rollout/moved_groups"] >= 1 or "does not answer /health before a weight sync" in text
+    assert [m["step"] for m in done] == list(range(1, len(done) + 1)) and len(done) >= killed_at + 2
+    assert done[-1]["rollout/moved_groups"] >= 1  # killed with groups in flight: they went to the other engine
     assert done[-1]["buffer/dropped_failed"] == 0  # none lost
     assert done[-1]["rollout/engines_serving"] == 2  # restarted, given the weights, serving again
     assert all(m["weight_sync/engine_version"] == m["policy_version"] for m in done)

@@ -2,6 +2,8 @@
 parts of it: bucket packing, the update group's layout over (engines × tp × ep)."""
 
 import asyncio
+import subprocess
+import sys
 import time
 
 import httpx
@@ -252,3 +254,138 @@ def test_a_gpt_oss_sync_puts_every_learner_tensor_into_the_engine(tiny_gpt_oss_d
         engine.stop()
     assert source["checked"] == 37 and source["mismatched"] == []
     assert source["metrics"]["weight_sync/parity_max_gap"] <= 1e-5
+
+
+def test_an_engine_killed_mid_broadcast_is_restarted_and_the_same_version_synced_again(engines, tiny_hf_dir):
+    """Two real engines; one is SIGKILLed as bucket 2 is announced (buckets 0 and 1 were
+    broadcast to both and loaded). The sync ends with EnginesLost, not a refusal, the
+    export drawn whole; the survivor's session is closed and it stays paused. As the run
+    does (Run.sync_weights): the dead engine is restarted, the same version is synced again
+    over the engines alive (the survivor, holding part of it, gets all of it), and the next
+    sync takes the restarted engine back: both hold every tensor of the last version and
+    serve it, and the group in flight on the killed engine finishes on the other."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.rollout import protocol as p
+    from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
+    from megatron_rlvr.weight_sync.syncer import EnginesLost
+
+    for engine in engines:  # the version a restarted engine comes back with
+        assert httpx.post(f"{engine.url}/update_weight_version", json={"new_version": "0"}).status_code == 200
+    base = list(load_file(str(tiny_hf_dir / "model.safetensors")).items())
+    announced = []
+
+    def weights(version: int) -> list[tuple[str, torch.Tensor]]:
+        return [(name, tensor + 0.01 * version) for name, tensor in base]
+
+    class DiesOnBucket2(EngineClient):
+        async def update_weights_from_distributed(self, request):
+            announced.append(request.names[0])
+            if len(announced) == 3 and engines[1].alive:
+                engines[1].proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(engines[1].proc.wait, 30)
+            return await super().update_weights_from_distributed(request)
+
+    async def restart(engine: int) -> str:
+        how = engines[engine].exit_description()
+        await asyncio.to_thread(engines[engine].start, 120)
+        return how
+
+    async def scenario():
+        clients = [EngineClient(engines[0].url), DiesOnBucket2(engines[1].url)]
+        long = p.SamplingParams(max_new_tokens=400, ignore_eos=True, n=2)  # still running when the kill lands
+        manager = RolloutManager(clients, long, restart=restart)
+        syncer = WeightSyncer(clients, WeightSyncConfig(bucket_mb=0.05), group_name="mid_broadcast")
+        drawn: list[str] = []
+
+        def stream(version):
+            for name, tensor in weights(version):
+                drawn.append(name)
+                yield name, tensor
+
+        try:
+            await syncer.connect()
+            v = syncer.version + 1
+            manager.submit(PromptItem("p0", [1, 2, 3]))  # least busy first: one group each
+            manager.submit(PromptItem("p1", [4, 5, 6]))
+            with pytest.raises(EnginesLost) as lost:
+                await syncer.sync(stream(v), v)
+            assert drawn == [name for name, _ in base]  # the export finished: other ranks are inside it
+            survivor = (await clients[0].model_info())["weight_version"]
+            assert survivor in (str(v - 1), str(v))  # part of v loaded, session closed
+            await manager.restart_unanswering()  # as the run does; the group's failure may have seen it first
+            assert manager.serving == 1  # engine 1 restarting
+            retry = await syncer.sync(stream(v), v)  # the survivor alone, the whole of v again
+            assert retry.engine_version == v and syncer.members == [0]
+            while manager._restarting:
+                await asyncio.sleep(0.2)
+            report = await syncer.sync(stream(v + 1), v + 1)  # the restarted engine joins
+            assert syncer.members == [0, 1] and report.engine_version == v + 1
+            assert await manager.readmit(v + 1) == [1] and manager.serving == 2
+            held = {}
+            for client in clients:
+                for name, tensor in weights(v + 1):
+                    got = await client._request("POST", "/get_weights_by_name", {"name": name, "truncate_size": 10**9})
+                    held[(client.base_url, name)] = torch.equal(torch.tensor(got).view_as(tensor), tensor)
+            groups = [await manager.next_group(timeout_s=120) for _ in range(2)]
+            return str(lost.value), held, groups, dict(manager.stats)
+        finally:
+            await syncer.close()
+            for client in clients:
+                await client.close()
+
+    message, held, groups, stats = asyncio.run(scenario())
+    assert f"engine {engines[1].url} died during the sync, at bucket 2" in message
+    assert all(held.values()) and len(held) == 2 * len(base)
+    assert all(g.error is None and len(g.samples) == 2 for g in groups)  # none lost
+    assert stats["moved"] == 1 and stats.get("failed", 0) == 0
+
+
+STUCK_SYNC = """
+import asyncio, sys
+import torch
+from safetensors.torch import load_file
+from megatron_rlvr.config import WeightSyncConfig
+from megatron_rlvr.rollout.client import EngineClient, EngineUnavailable
+from megatron_rlvr.weight_sync.syncer import WeightSyncer, WeightSyncError
+
+class LosesBucket1(EngineClient):
+    async def update_weights_from_distributed(self, request):
+        if request.names == ["big"]:  # never reaches the engine: it never posts its side
+            raise EngineUnavailable(f"{self.base_url}/update_weights_from_distributed: lost on the way")
+        return await super().update_weights_from_distributed(request)
+
+async def main(url, model_dir):
+    client = LosesBucket1(url)
+    syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05), group_name="stuck_test")
+    await syncer.connect()
+    first = list(load_file(model_dir + "/model.safetensors").items())[:1]
+    try:
+        await syncer.sync(first + [("big", torch.zeros(2**24))], syncer.version + 1)
+    except WeightSyncError as err:
+        print(err)
+    await client.close()  # the engine keeps the group, as a hung one would
+
+asyncio.run(main(*sys.argv[1:]))
+"""
+
+
+def test_a_broadcast_nobody_matches_does_not_keep_the_process_alive(engines, tiny_hf_dir, tmp_path):
+    """A 64 MiB bucket's announcement is lost on its way to a live engine, which keeps the
+    group and never posts its side: the learner's broadcast waits for it (gloo: up to the
+    group's 300 s timeout). The sync ends with the engine named, and the process ends at once
+    (a broadcast in asyncio.to_thread's executor kept it alive until that timeout)."""
+    script = tmp_path / "stuck_sync.py"
+    script.write_text(STUCK_SYNC)
+    try:
+        done = subprocess.run(
+            [sys.executable, str(script), engines[0].url, str(tiny_hf_dir)], capture_output=True, text=True, timeout=150
+        )
+    except subprocess.TimeoutExpired:
+        pytest.fail("the process outlived its failed sync by minutes: its broadcast thread kept it alive")
+    finally:
+        httpx.post(f"{engines[0].url}/destroy_weights_update_group", json={"group_name": "stuck_test"}, timeout=10)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "rejected bucket 1 (1 tensors, first big) after its broadcast was posted" in done.stdout

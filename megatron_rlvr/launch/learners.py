@@ -73,10 +73,10 @@ class LearnerRank:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train_step(batch)
 
-    def sync_weights(self, version: int) -> dict:
+    def sync_weights(self, version: int, restarted: list[int] | None = None) -> dict:
         from megatron_rlvr.weight_sync.learner_sync import sync_weights
 
-        return sync_weights(self.learner, version, syncer=self.syncer, loop=self.loop)
+        return sync_weights(self.learner, version, syncer=self.syncer, loop=self.loop, restarted=restarted)
 
     def save(self, path: str) -> None:
         from megatron_rlvr.learner.checkpoint import save_checkpoint
@@ -155,8 +155,9 @@ class LearnerGroup:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self._all("train_step", batch)
 
-    def sync_weights(self, version: int) -> dict:
-        return self._all("sync_weights", version)
+    def sync_weights(self, version: int, restarted: list[int] | None = None) -> dict:
+        """restarted: the engines restarted since they last got weights (they rejoin the group)."""
+        return self._all("sync_weights", version, restarted)
 
     def save(self, path: Path) -> None:
         self._all("save", str(path))

@@ -294,6 +294,11 @@ class RolloutManager:
         self._restarts.add(task)
         task.add_done_callback(self._restarts.discard)
 
+    async def waiting_for_weights(self) -> list[int]:
+        """Engines restarted and back, not yet given the run's weights (on the rollout loop,
+        which changes the set)."""
+        return sorted(self.restarted)
+
     async def readmit(self, version: int | str) -> list[int]:
         """Restarted engines that now hold `version` (the weight sync reached them) take
         work again; returns their indices. `version` is the run's current one from now on."""

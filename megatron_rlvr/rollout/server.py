@@ -73,8 +73,10 @@ class WeightUpdates:
         self.session: dict | None = None  # {"failed": reason | None, "version": str | None}
 
     def check_version(self, version: str | None) -> None:
+        """An older version is refused; the same one is taken again, as SGLang takes it: a
+        sync cut short by another engine's death is sent whole again."""
         current = self.engine.weight_version
-        if version is not None and _newer(current, version) is False:
+        if version is not None and _newer(version, current):
             raise EngineError(f"stale weight version {version}: this engine holds {current}")
 
     def apply(self, names: list[str], tensors: list[torch.Tensor]) -> None:

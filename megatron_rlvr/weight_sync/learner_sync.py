@@ -22,17 +22,19 @@ def sync_weights(
     syncer: WeightSyncer | None = None,
     loop: asyncio.AbstractEventLoop | None = None,
     probe_tokens: int = 8,
+    restarted: list[int] | None = None,
 ) -> dict:
     """Pushes the learner's weights to the engines as `version`, then runs the parity probe
     when weight_sync.parity_tolerance is set. Collective over the learner's ranks; the source
-    rank passes its syncer and event loop. Returns metrics on the source rank."""
+    rank passes its syncer and event loop; restarted: the engines the run restarted since they
+    last got weights. Returns metrics on the source rank."""
     if syncer is None:
         for _ in learner.export_hf():
             pass
     else:
         assert loop is not None, "the source rank passes its event loop"
         try:
-            report = loop.run_until_complete(syncer.sync(learner.export_hf(), version))
+            report = loop.run_until_complete(syncer.sync(learner.export_hf(), version, restarted or []))
         except EnginesLost:
             if learner.cfg.weight_sync.parity_tolerance is not None:
                 dist.broadcast_object_list([None], src=0)  # the other ranks wait for the probe

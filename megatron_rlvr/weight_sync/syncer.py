@@ -17,7 +17,11 @@ refusal depends on are the same for every bucket of a sync.
 
 Engines come and go: one that stopped answering leaves the update group at the next sync,
 and one that answers again (restarted, so holding its initial weights) joins it and gets
-the full model; the group is re-formed over the engines alive at that moment.
+the full model; the group is re-formed over the engines alive at that moment. An engine
+that dies during a sync, before or after buckets were broadcast, ends it with EnginesLost:
+the export is finished, the group torn down, the survivors' update session closed (they
+stay paused), and the next sync of the same version, over the engines alive then, sends
+the whole model again to survivors that may hold part of it.
 """
 
 from __future__ import annotations
@@ -36,7 +40,14 @@ from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
-from megatron_rlvr.weight_sync.transport import abort_group, broadcast, bucket_device, group_layout, open_group
+from megatron_rlvr.weight_sync.transport import (
+    abort_group,
+    broadcast,
+    bucket_device,
+    group_layout,
+    in_daemon_thread,
+    open_group,
+)
 
 log = logging.getLogger(__name__)
 
@@ -46,9 +57,9 @@ class WeightSyncError(UserError):
 
 
 class EnginesLost(WeightSyncError):
-    """Engines died before the first bucket was broadcast: nothing was sent to anyone, and the
-    export the learner ranks are inside was finished, so the run can sync again once the dead
-    engines are restarted."""
+    """Engines died during a sync. The export the learner ranks are inside was finished and
+    the survivors' update session closed, so the run can sync the same version again once
+    the dead engines are restarted (survivors may hold part of it: every sync sends all)."""
 
 
 @dataclass
@@ -87,8 +98,12 @@ class WeightSyncer:
         self.checksums = bool(cfg.checksum) if checksums is None else checksums
         self.backend = "nccl" if cfg.backend == "nccl" else "gloo"
         self.group = None
+        self.connected = False
         self.members: list[int] = []  # indices of the engines in the current group
         self.initial_version = initial_version  # what a (re)started engine holds
+        # the version whose sync lost an engine after buckets went out: the survivors hold
+        # it (SGLang takes a bucket's version as it loads it) or the one before
+        self.interrupted: int | None = None
 
     @property
     def member_clients(self) -> list[EngineClient]:
@@ -101,7 +116,7 @@ class WeightSyncer:
         members = list(range(len(self.clients))) if members is None else members
         layout = group_layout([self.engine_ranks[i] for i in members])
         port = free_port(self.master_address)
-        opening = asyncio.to_thread(
+        opening = in_daemon_thread(  # a join that never comes waits out the timeout there
             open_group, self.master_address, port, 0, layout.world_size, self.group_name, self.backend
         )
         joins = [
@@ -118,7 +133,7 @@ class WeightSyncer:
             for i, offset in zip(members, layout.offsets)
         ]
         self.group, *_ = await asyncio.gather(opening, *joins)
-        self.members = members
+        self.members, self.connected = members, True
         if self.version is None:  # adopt the engines' version; they must agree
             versions = set(await self.engine_versions())
             if len(versions) != 1 or not next(iter(versions)).lstrip("-").isdigit():
@@ -144,23 +159,29 @@ class WeightSyncer:
                 return held
             await asyncio.sleep(1.0)
 
-    async def _refresh_members(self, wait_s: float = 300.0) -> tuple[list[int], dict[int, str]]:
+    async def _refresh_members(
+        self, restarted_by_run: tuple[int, ...] = (), wait_s: float = 300.0
+    ) -> tuple[list[int], dict[int, str]]:
         """Re-forms the group when engines died or came back; returns those that joined and
         the version every live engine holds. A member back at the initial version after
         later syncs was restarted (its old process left the group): it needs the full
-        model, which every sync sends, so it simply joins again."""
+        model, which every sync sends, so it simply joins again. Before any sync a restart
+        does not show in the version: the run says which engines it restarted."""
         held = await self._survey(wait_s)
         if not held:
             raise WeightSyncError(
                 "no engine is alive to receive weights: " + ", ".join(c.base_url for c in self.clients)
             )
         live = sorted(held)
-        restarted = (
-            []
-            if self.version == self.initial_version
-            else [i for i in live if i in self.members and held[i] == str(self.initial_version)]
-        )
-        if live == self.members and not restarted:
+        restarted = [
+            i
+            for i in live
+            if i in self.members
+            and (
+                i in restarted_by_run or (self.version != self.initial_version and held[i] == str(self.initial_version))
+            )
+        ]
+        if live == self.members and not restarted and self.group is not None:
             return [], held
         lost = [self.clients[i].base_url for i in self.members if i not in live]
         joined = [i for i in live if i not in self.members or i in restarted]
@@ -177,29 +198,40 @@ class WeightSyncer:
         return joined, held
 
     async def _check_versions(
-        self, expected: int | None, when: str, skip: tuple[int, ...] = (), held: dict[int, str] | None = None
+        self,
+        expected: int | None,
+        when: str,
+        skip: tuple[int, ...] = (),
+        held: dict[int, str] | None = None,
+        partial: int | None = None,
     ) -> None:
-        """held: versions already read (index → version); otherwise they are asked for."""
+        """held: versions already read (index → version); otherwise they are asked for.
+        partial: a version an engine may also hold (an interrupted sync of it reached it)."""
         if expected is None:
             return
         if held is None:
             held = dict(zip(self.members, await self.engine_versions()))
+        accepted = {str(expected)} | ({str(partial)} if partial is not None else set())
         for index in self.members:
             client, version = self.clients[index], held[index]
-            if index not in skip and version != str(expected):
+            if index not in skip and version not in accepted:
                 raise WeightSyncError(
                     f"engine {client.base_url} holds weight version {version} {when}, expected "
-                    f"{expected}: it skipped or repeated an update"
+                    f"{' or '.join(sorted(accepted))}: it skipped or repeated an update"
                 )
 
-    async def sync(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        """Pushes the (HF name, tensor) stream to every engine as `version`."""
-        if self.group is None:
+    async def sync(
+        self, named: Iterable[tuple[str, torch.Tensor]], version: int, restarted: Iterable[int] = ()
+    ) -> SyncReport:
+        """Pushes the (HF name, tensor) stream to every engine as `version`. restarted: engines
+        the run restarted since they last got weights (they rejoin the group)."""
+        if not self.connected:
             raise WeightSyncError("connect() first")
         if self.version is not None and version <= self.version:
             raise WeightSyncError(f"version {version} is not newer than the last sync ({self.version})")
-        joined, held = await self._refresh_members()  # joiners hold initial weights: not checked
-        await self._check_versions(self.version, "before the sync", skip=tuple(joined), held=held)
+        joined, held = await self._refresh_members(tuple(restarted))  # joiners hold initial weights: not checked
+        partial, self.interrupted = (version if self.interrupted == version else None), None
+        await self._check_versions(self.version, "before the sync", skip=tuple(joined), held=held, partial=partial)
         start = time.perf_counter()
         await self._all("pause", lambda c: c.pause(self.cfg.pause_mode))
         try:
@@ -208,6 +240,11 @@ class WeightSyncer:
             await self._all("end_weight_update", lambda c: c.end_weight_update())
             if self.cfg.pause_mode != "in_place":  # in place: no prefix cache (config checks)
                 await self._all("flush_cache", lambda c: c.flush_cache())
+        except EnginesLost:
+            # buckets went out: the survivors may hold part of `version` and stay paused
+            # until the sync of it again (generation on a mix of two versions is neither)
+            await self._recover(resume=self.interrupted is None)
+            raise
         except BaseException:
             await self._recover()
             raise
@@ -269,12 +306,16 @@ class WeightSyncer:
                     dead = ", ".join(c.base_url for c, _ in refused)
                     raise EnginesLost(f"engine {dead} died before {what} was broadcast: {err}")
                 raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was posted: {err}")
-        sending = asyncio.create_task(asyncio.to_thread(broadcast, self.group, bucket.buffer))
+        # a daemon thread: a broadcast nobody matches must not keep the process alive at exit
+        sending = asyncio.create_task(in_daemon_thread(broadcast, self.group, bucket.buffer))
         await asyncio.wait([sending, *announced], return_when=asyncio.FIRST_EXCEPTION)
-        if not sending.done():  # an engine failed while the broadcast waits: nobody will match it
-            abort_group(self.group)
-            self.group = None
-            client, err = next((c, t.exception()) for c, t in zip(clients, announced) if t.done() and t.exception())
+        failures = [(c, t.exception()) for c, t in zip(clients, announced) if t.done() and t.exception()]
+        if not sending.done() or sending.exception() is not None or failures:
+            cause = failures[0][1] if failures else sending.exception() if sending.done() else None
+            await self._raise_if_lost(clients, version, what, cause, sending, announced)
+        if not sending.done():  # a live engine failed while the broadcast waits: nobody will match it
+            self._tear_down(sending, announced)
+            client, err = failures[0]
             raise WeightSyncError(
                 f"engine {client.base_url} rejected {what} after its broadcast was posted "
                 f"(update group torn down): {err}"
@@ -287,13 +328,48 @@ class WeightSyncer:
         failed = [(c, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
         if failed:
             client, err = failed[0]
+            await self._raise_if_lost(clients, version, what, err, sending, announced)
             raise WeightSyncError(f"engine {client.base_url} rejected {what}: {err}")
 
-    async def _recover(self, timeout_s: float = 30.0) -> None:
+    async def _raise_if_lost(
+        self,
+        clients: list[EngineClient],
+        version: int,
+        what: str,
+        cause: BaseException | None,
+        sending: asyncio.Task,
+        announced: list[asyncio.Task],
+    ) -> None:
+        """After a posted broadcast or an engine's answer failed: if an engine is dead (its
+        /health is the judge), the sync is lost, not refused, and the run can sync again."""
+        alive = await asyncio.gather(*(c.health() for c in clients))
+        dead = [c.base_url for c, up in zip(clients, alive) if not up]
+        if not dead:
+            return
+        self._tear_down(sending, announced)
+        self.interrupted = version  # the survivors may have loaded earlier buckets, maybe this one
+        raise EnginesLost(
+            f"engine {', '.join(dead)} died during the sync, at {what} (its broadcast posted; "
+            f"update group torn down): {cause}"
+        )
+
+    def _tear_down(self, sending: asyncio.Task, announced: list[asyncio.Task]) -> None:
+        """Drops the update group after a broadcast that cannot complete as posted: NCCL's
+        communicator is aborted; a gloo broadcast still waiting ends in its daemon thread
+        (at once when the peer it waits for is dead). The next sync forms a new group."""
+        for task in announced:
+            task.cancel()
+        if not sending.done():
+            abort_group(self.group)
+            sending.cancel()
+        self.group = None
+
+    async def _recover(self, timeout_s: float = 30.0, *, resume: bool = True) -> None:
         """After a failed sync, best effort: close the update session (SGLang refuses to open
-        a new one while one is open) and resume generation, bounded: an engine still waiting
-        for a broadcast may not answer."""
-        for step in (lambda c: c.end_weight_update(), lambda c: c.resume()):
+        a new one while one is open) and resume generation unless told not to, bounded: an
+        engine still waiting for a broadcast may not answer."""
+        steps = [lambda c: c.end_weight_update()] + ([lambda c: c.resume()] if resume else [])
+        for step in steps:
             try:
                 await asyncio.wait_for(
                     asyncio.gather(*(step(c) for c in self.member_clients), return_exceptions=True), timeout_s

@@ -6,11 +6,17 @@ learner's own torch.distributed world."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -85,7 +91,39 @@ def broadcast(group, tensor: torch.Tensor, root: int = 0) -> None:
 def abort_group(group) -> None:
     """Tears down a group whose collective can no longer be matched (an engine refused its
     bucket after the broadcast was posted): NCCL aborts its communicator, so neither side
-    hangs until the watchdog; gloo's pending broadcast ends at the group's timeout."""
+    hangs until the watchdog; gloo's pending broadcast ends at the group's timeout (or at
+    once when its peer's process is gone), in its daemon thread (see in_daemon_thread)."""
     abort = getattr(group, "abort", None)
     if abort is not None:
         abort()
+
+
+async def in_daemon_thread(fn: Callable[..., T], *args) -> T:
+    """fn(*args) in a daemon thread, awaited. A collective whose peer never comes waits out
+    the group's timeout (minutes) where it is; asyncio.to_thread's executor threads are
+    joined at interpreter exit and would keep the process alive that long, past any stop
+    bound. Cancelling the wait abandons the thread; its outcome is dropped."""
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[T] = loop.create_future()
+
+    def settle(result, error: BaseException | None) -> None:
+        if future.done():  # cancelled: nobody waits for it
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        outcome: tuple[T | None, BaseException | None]
+        try:
+            outcome = (fn(*args), None)
+        except BaseException as err:  # handed to the waiter
+            outcome = (None, err)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: the process is going away
+            pass
+
+    threading.Thread(target=run, daemon=True, name=f"collective-{getattr(fn, '__name__', 'call')}").start()
+    return await future
