@@ -131,7 +131,10 @@ class RunReport:
         if self.eval_shown:
             shown["eval"] = self.eval_shown
         self.bar.set_postfix(
-            **shown, tok_s=f"{tokens_per_s:.0f}", loss=f"{metrics.get('train/policy_loss', 0.0):+.4f}", refresh=False
+            **shown,
+            tok_s=f"{tokens_per_s:.0f}",
+            loss=f"{metrics.get('train/policy_loss', metrics.get('train/sft_loss', 0.0)):+.4f}",
+            refresh=False,
         )
         self.bar.update(1)
 

@@ -12,7 +12,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from megatron_rlvr.batching import groups_to_batch
+from megatron_rlvr.batching import groups_to_batch, response_length_metrics
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.reporting import RunReport
 from megatron_rlvr.rollout.sampler import NothingToLearn
@@ -65,6 +65,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 metrics = step_metrics(
                     step, run, learner_metrics, sync_metrics, time.perf_counter() - started, len(groups)
                 )
+                metrics.update(response_length_metrics(groups))
                 metrics.update(run.evaluate(step))  # {} unless evaluation is due
                 report.log(metrics)
                 outcome.history.append(metrics)
