@@ -147,7 +147,8 @@ def step_batches(examples: list[Example], batch_tokens: int, steps: int, seed: i
     order: list[int] = []
     batches = []
     for _ in range(steps):
-        batch, tokens = [], 0
+        batch: list[Example] = []
+        tokens = 0
         while True:
             if not order:
                 order = list(range(len(examples)))
