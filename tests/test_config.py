@@ -19,14 +19,9 @@ def test_there_are_shipped_configs():
     assert TINY in SHIPPED
 
 
-# configs that start from another command's output (the long-answer demo's RL stage takes the
-# cold start's export): loaded with a model folder made here in its place
-STARTS_FROM_AN_EXPORT = {"long-answers-cpu.yaml"}
-
-
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path, tiny_hf_dir):
-    cfg = load_config(path, [f"model.path={tiny_hf_dir}"] if path.name in STARTS_FROM_AN_EXPORT else [])
+def test_every_shipped_config_loads(path, shipped_overrides):
+    cfg = load_config(path, shipped_overrides(path))
     assert cfg.algo.clip_low is not None and cfg.parallel.etp is not None
 
 

@@ -62,3 +62,29 @@ def test_grpo_raises_heldout_pass_at_1_over_the_cold_start(tmp_path):
     assert start == pytest.approx(sft[-1]["eval/heldout/pass@1"])
     assert 0.1 <= start <= 0.6
     assert end >= 0.8 or end >= start + 0.3
+
+
+@pytest.mark.slow
+def test_a_stopped_sft_run_resumes_to_the_same_losses(tmp_path):
+    """SIGINT after a finished step saves it; trainer.resume=true continues with the same
+    batches and optimizer state, so every later step's loss is the uninterrupted run's."""
+    import signal
+    import time
+
+    base = ["trainer.steps=6", "sft.pass_at_1=false", "sft.eval_interval=0"]
+    whole = command("sft", SFT, f"trainer.output_dir={tmp_path / 'whole'}", *base, timeout_s=600)
+    out = tmp_path / "stopped"
+    argv = [sys.executable, "-m", "megatron_rlvr.cli", "sft", str(SFT), f"trainer.output_dir={out}", *base]
+    proc = subprocess.Popen(argv, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while '"step": 2' not in ((out / "metrics.jsonl").read_text() if (out / "metrics.jsonl").exists() else ""):
+        assert proc.poll() is None and time.monotonic() < deadline, "the run did not reach step 2"
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "continue with trainer.resume=true" in stderr, stderr[-2000:]
+    resumed = command("sft", SFT, f"trainer.output_dir={out}", *base, "trainer.resume=true", timeout_s=600)
+    loss = {m["step"]: m["train/sft_loss"] for m in whole if "train/sft_loss" in m}
+    again = {m["step"]: m["train/sft_loss"] for m in resumed if "train/sft_loss" in m}
+    assert sorted(again) == sorted(loss)  # every step once
+    assert all(again[s] == pytest.approx(loss[s], rel=1e-5) for s in loss)
