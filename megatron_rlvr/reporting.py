@@ -125,7 +125,8 @@ class RunReport:
 
     def log(self, metrics: dict) -> None:
         self._write(metrics)
-        tokens_per_s = metrics.get("rollout/tokens", 0) / max(metrics["time/step_s"], 1e-9)
+        tokens = metrics.get("rollout/tokens", metrics.get("train/sft_tokens", 0))  # generated, or SFT's trained
+        tokens_per_s = tokens / max(metrics["time/step_s"], 1e-9)
         reward = metrics.get("reward/mean")  # absent on a step that sampled nothing
         shown = {"reward": "-" if reward is None else f"{reward:.3f}"}
         if self.eval_shown:

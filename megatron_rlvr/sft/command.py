@@ -95,7 +95,6 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
                         "train/micro_batches": len(micro),
                         "train/padding": 1.0
                         - sum(len(e) for e in batches[step - 1]) / sum(mb.input_ids.numel() for mb in micro),
-                        "rollout/tokens": metrics["sft_tokens"],  # the bar's tok/s: trained tokens
                         "time/step_s": seconds,
                     }
                     due = step == t.steps or (sft.eval_interval and step % sft.eval_interval == 0)
