@@ -55,3 +55,13 @@ def test_the_heldout_split_shares_no_problem_with_training_data():
     train, heldout = problems("train", 0), problems("heldout", 1)
     assert train and heldout and not train & heldout
     assert all(is_heldout(*map(int, p.rstrip("=").split("%"))) for p in heldout)
+
+
+def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
+    from megatron_rlvr.data.long_answers import verify_working
+
+    record = {"prompt": [{"role": "user", "content": "45%7="}]}
+    assert verify_working(worked_solution(45, 7), record) == 1.0
+    assert verify_working("45-7=38 #### 3", record) == 0.0  # the right answer, guessed
+    assert verify_working(worked_solution(45, 7).replace("31", "30", 1), record) == 0.0
+    assert verify_math("45-7=38 #### 3", "3") == 1.0  # the math verifier reads the answer only

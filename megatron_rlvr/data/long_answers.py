@@ -121,3 +121,13 @@ def main(argv: list[str]) -> int:
     n, d = _problems(spec)[0]
     print(f"  example: {prompt_text(n, d)} → {worked_solution(n, d)}")
     return 0
+
+
+def verify_working(response: str, record: dict) -> float:
+    """A stricter reward than the math verifier's (verifier.functions): 1 only when the whole
+    working is the correct chain and its answer, so a guessed '#### r' earns nothing (with
+    divisors up to 5, a guess is right one time in three: RL on the answer alone learns to
+    skip the working of long problems and guess)."""
+    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
+    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
+    return float(response.strip() == worked_solution(n, d))
