@@ -11,7 +11,7 @@ more steps to get wrong. worked_examples() writes solutions for the supervised c
 each step wrong with a given probability (a wrong step carries through to a wrong answer):
 imitating them leaves room for RL.
 
-    python tools/long_answer_stats.py [num_prompts]   # the length statistics
+    python tools/long_answer_stats.py [num_prompts [max_divisor]]   # the length statistics
 """
 
 from __future__ import annotations
@@ -113,9 +113,13 @@ def _problems(spec: LongAnswerSource) -> list[tuple[int, int]]:
 
 
 def main(argv: list[str]) -> int:
-    spec = LongAnswerSource(num_prompts=int(argv[0]) if argv else 512)
+    """argv: [num_prompts [max_divisor]]."""
+    spec = LongAnswerSource(num_prompts=int(argv[0]) if argv else 512, max_divisor=int(argv[1]) if len(argv) > 1 else 9)
     stats = length_statistics(spec)
-    print(f"long_answers ({spec.num_prompts} problems, seed {spec.seed}): correct responses in tokens")
+    print(
+        f"long_answers ({spec.num_prompts} problems, divisors 2..{spec.max_divisor}, seed {spec.seed}): "
+        "correct responses in tokens"
+    )
     for key, value in stats.items():
         print(f"  {key:>16}: {value:g}")
     n, d = _problems(spec)[0]
