@@ -30,7 +30,13 @@ def command(name: str, config: Path, *overrides: str, timeout_s: int) -> list[di
 @pytest.mark.slow
 def test_the_cold_start_is_what_an_rl_run_trains_and_its_engines_serve(tmp_path):
     sft = command(
-        "sft", SFT, f"trainer.output_dir={tmp_path / 'sft'}", "trainer.steps=3", "eval.max_prompts=4", timeout_s=600
+        "sft",
+        SFT,
+        f"trainer.output_dir={tmp_path / 'sft'}",
+        "trainer.steps=3",
+        "trainer.warmup_steps=1",
+        "eval.max_prompts=4",
+        timeout_s=600,
     )
     assert sft[0]["step"] == 0 and "heldout/sft_loss" in sft[0]
     assert sft[-1]["step"] == 3 and "eval/heldout/pass@1" in sft[-1]

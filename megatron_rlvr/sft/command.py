@@ -45,6 +45,8 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
     sft, t = cfg.sft, cfg.trainer
     if sft is None:
         raise SftError(f"{config_path}: no sft section (the sft command trains on sft.data)")
+    if t.warmup_steps >= t.steps:  # Megatron's scheduler asserts it, without a word
+        raise SftError(f"trainer.warmup_steps = {t.warmup_steps}: must be < trainer.steps = {t.steps}")
     out = Path(t.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
