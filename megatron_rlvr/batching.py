@@ -85,3 +85,19 @@ def spread_over_slots(batch: TrainBatch, slots: int, micro_batch_size: int | Non
     laid_out = batch.select(torch.tensor(index))
     laid_out.response_mask[~torch.tensor(real)] = 0
     return laid_out
+
+
+def response_length_metrics(groups: list[Group]) -> dict[str, float]:
+    """Response lengths (tokens) of the samples a step trains on: mean, median, p95, max, and
+    the fraction cut at rollout.max_new_tokens."""
+    samples = [s for g in groups for s in g.samples]
+    if not samples:
+        return {}
+    lengths = sorted(len(s.response_ids) for s in samples)
+    return {
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/p50": float(lengths[(len(lengths) - 1) // 2]),
+        "response_length/p95": float(lengths[round(0.95 * (len(lengths) - 1))]),
+        "response_length/max": float(lengths[-1]),
+        "response_length/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
+    }

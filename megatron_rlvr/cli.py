@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | convert | submit | compare-replay."""
+"""`megatron-rlvr` command line: train | sft | convert | submit | compare-replay."""
 
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted overrides: algo.kind=gspo")
     train.set_defaults(takes_overrides=True)
     train.add_argument("--dry-run", action="store_true", help="print the resolved config as YAML and exit")
+    sft = sub.add_parser("sft", help="supervised fine-tuning (a cold start for RL) from a YAML config")
+    sft.add_argument("config", help="YAML config with an sft section, e.g. configs/long-answers-sft-cpu.yaml")
+    sft.add_argument("overrides", nargs="*", help="dotted overrides: trainer.steps=50")
+    sft.set_defaults(takes_overrides=True)
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
     compare_replay.add_parser(sub)
@@ -74,6 +78,22 @@ def _train(args: argparse.Namespace, stop: StopSignals) -> int:
     return train_exit_code(outcome)
 
 
+def _sft(args: argparse.Namespace, stop: StopSignals) -> int:
+    import logging
+
+    from megatron_rlvr.sft import command as sft
+
+    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.WARNING)
+    logging.getLogger("megatron_rlvr").setLevel(logging.INFO)
+    try:
+        metrics, model = sft.run_sft(args.config, args.overrides, stop)
+    except StopRequested as err:
+        print(f"megatron-rlvr sft: {err}", file=sys.stderr)
+        return 130
+    print(f"megatron-rlvr sft: done: {sft.summary(metrics)}; the model is in {model}", file=sys.stderr)
+    return 0
+
+
 def train_exit_code(outcome: Outcome) -> int:
     """The exit code of a run that ended without an error: 1 when a component failed to stop
     (the training itself finished; what failed is in the log above), else 0."""
@@ -96,6 +116,8 @@ def _run(args: argparse.Namespace) -> int:
     stop = StopSignals().install()
     if args.command == "train":
         return _train(args, stop)
+    if args.command == "sft":
+        return _sft(args, stop)
     if args.command == "compare-replay":
         return compare_replay.main(args, stop)
     return convert.main(args, stop)

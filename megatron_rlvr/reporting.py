@@ -125,13 +125,17 @@ class RunReport:
 
     def log(self, metrics: dict) -> None:
         self._write(metrics)
-        tokens_per_s = metrics.get("rollout/tokens", 0) / max(metrics["time/step_s"], 1e-9)
+        tokens = metrics.get("rollout/tokens", metrics.get("train/sft_tokens", 0))  # generated, or SFT's trained
+        tokens_per_s = tokens / max(metrics["time/step_s"], 1e-9)
         reward = metrics.get("reward/mean")  # absent on a step that sampled nothing
         shown = {"reward": "-" if reward is None else f"{reward:.3f}"}
         if self.eval_shown:
             shown["eval"] = self.eval_shown
         self.bar.set_postfix(
-            **shown, tok_s=f"{tokens_per_s:.0f}", loss=f"{metrics.get('train/policy_loss', 0.0):+.4f}", refresh=False
+            **shown,
+            tok_s=f"{tokens_per_s:.0f}",
+            loss=f"{metrics.get('train/policy_loss', metrics.get('train/sft_loss', 0.0)):+.4f}",
+            refresh=False,
         )
         self.bar.update(1)
 

@@ -15,7 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from megatron_rlvr.algo.from_config import advantage_options
-from megatron_rlvr.batching import groups_to_batch
+from megatron_rlvr.batching import groups_to_batch, response_length_metrics
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.loop_metrics import staleness_metrics
 from megatron_rlvr.reporting import RunReport
@@ -79,6 +79,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 now = time.perf_counter()
                 wall_s, lap = now - lap, now
                 metrics.update(staleness | overlap_metrics(run, metrics["rollout/tokens"], learner_s, wall_s))
+                metrics.update(response_length_metrics(groups))
                 metrics.update(run.evaluate(step))  # {} unless evaluation is due
                 report.log(metrics)
                 outcome.history.append(metrics)

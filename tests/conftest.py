@@ -54,6 +54,17 @@ def tiny_hf_dir(tmp_path_factory):
     return build_tiny_hf_model(TinyModel(), tmp_path_factory.mktemp("tiny-qwen3-moe"), VOCAB)
 
 
+# shipped configs that start from another command's output (the long-answer demo's RL stage
+# takes the cold start's export): checked with a model folder made here in its place
+STARTS_FROM_AN_EXPORT = {"long-answers-cpu.yaml"}
+
+
+@pytest.fixture(scope="session")
+def shipped_overrides(tiny_hf_dir):
+    """config path → the overrides a shipped config needs to load in a test."""
+    return lambda path: [f"model.path={tiny_hf_dir}"] if Path(path).name in STARTS_FROM_AN_EXPORT else []
+
+
 @pytest.fixture(scope="session")
 def family_dir(tmp_path_factory):
     """name → a tiny random HF checkpoint of that MoE family (tests/tiny_families.py), built

@@ -2,7 +2,7 @@
 
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
-Scenarios: parity (logprobs vs HF, one train step, export), ckpt-save, ckpt-load, descent,
+Scenarios: parity (logprobs vs HF, one train step, export), sft, ckpt-save, ckpt-load, descent,
 replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget.
 Writes this rank's JSON result to $RESULT.
 """
@@ -476,6 +476,31 @@ def budget_equality(hf_dir: str, overrides: list[str]) -> dict:
     return out
 
 
+def sft_scenario(learner: Learner, hf_dir: str) -> dict:
+    """One SFT step on micro-batches of three widths (rows 0-3, 4-8, 9-15 of the fixed batch),
+    against the masked cross-entropy computed by hand from HF's logprobs; then the export,
+    scored by HF transformers as an engine would load it."""
+    from megatron_rlvr.sft.rank import export_hf_folder
+
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    micro = [
+        TrainBatch(batch.input_ids[rows, :width], batch.response_mask[rows, :width])
+        for rows, width in ((slice(0, 4), 10), (slice(4, 9), 11), (slice(9, 16), 12))
+    ]
+    reference = hf_logprobs(hf_dir, batch.input_ids)
+    by_hand = float(-(reference * batch.response_mask).sum() / batch.response_mask.sum())
+    heldout = learner.sft_step(micro, train=False)
+    metrics = learner.sft_step(micro)
+    after = learner.compute_logprobs(batch, old_logprob_pass=False)
+    out = os.path.join(os.path.dirname(os.environ["RESULT"]), "exported")
+    export_hf_folder(learner, hf_dir, out, write=int(os.environ.get("RANK", 0)) == 0)
+    result = {"by_hand": by_hand, "heldout": heldout, "metrics": metrics, "logprobs_after_step": after.tolist()}
+    if int(os.environ.get("RANK", 0)) == 0:
+        result["export_vs_learner"] = float((hf_logprobs(out, batch.input_ids) - after)[:, 1:].abs().max())
+        result["exported"] = out
+    return result
+
+
 def main() -> None:
     import logging
 
@@ -499,6 +524,8 @@ def main() -> None:
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     if scenario == "parity":
         result = parity(learner, hf_dir)
+    elif scenario == "sft":
+        result = sft_scenario(learner, hf_dir)
     elif scenario == "descent":
         result = descent(learner)
     elif scenario == "ckpt-specs":

@@ -20,8 +20,8 @@ def test_there_are_shipped_configs():
 
 
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
-def test_every_shipped_config_loads(path):
-    cfg = load_config(path)
+def test_every_shipped_config_loads(path, shipped_overrides):
+    cfg = load_config(path, shipped_overrides(path))
     assert cfg.algo.clip_low is not None and cfg.parallel.etp is not None
 
 

@@ -63,7 +63,7 @@ def make(cls: type) -> UserError:
     return cls(f"{cls.__name__} says what is wrong: data/train.jsonl:3")
 
 
-@pytest.mark.parametrize("command", ["train", "convert", "submit", "compare-replay"])
+@pytest.mark.parametrize("command", ["train", "sft", "convert", "submit", "compare-replay"])
 def test_every_user_error_is_one_line_and_exit_2_from_every_command(command, monkeypatch, capsys):
     from ray.exceptions import RayTaskError
 
@@ -81,6 +81,7 @@ def test_every_user_error_is_one_line_and_exit_2_from_every_command(command, mon
             monkeypatch.setattr(cli, "_run", fail)
             args = {
                 "train": ["train", "c.yaml"],
+                "sft": ["sft", "c.yaml"],
                 "convert": ["convert", "hf-to-mcore", "--hf", "x", "--out", "y"],
                 "submit": ["submit", "c.yaml", "--nodes", "1", "--gpus-per-node", "0"],
                 "compare-replay": ["compare-replay", "c.yaml"],

@@ -25,6 +25,8 @@ from megatron_rlvr.config.data import (
     EvalConfig,
     FileData,
     FileSource,
+    LongAnswerData,
+    LongAnswerSource,
     PromptFormat,
     VerifierConfig,
 )
@@ -78,6 +80,8 @@ __all__ = [
     "EvalConfig",
     "FileData",
     "FileSource",
+    "LongAnswerData",
+    "LongAnswerSource",
     "HFModel",
     "LaunchConfig",
     "LoggingConfig",

@@ -88,6 +88,26 @@ class ArithmeticSource(Section):
     seed: int = Field(0, description="seed of the problems drawn")
 
 
+class LongAnswerSource(Section):
+    """The built-in long-answer task: a remainder found by repeated subtraction, every step
+    written out ("45%7=" → "45-7=38 38-7=31 … #### 3"); the number of steps is long-tailed
+    (a truncated power law), so responses are too (megatron_rlvr.data.long_answers)."""
+
+    type: Literal["long_answers"] = Field("long_answers", description="long_answers: the built-in long-answer task")
+    num_prompts: PositiveInt = Field(512, description="distinct problems")
+    max_divisor: int = Field(9, ge=2, le=99, description="divisors are drawn from 2..max_divisor")
+    max_steps: PositiveInt = Field(24, description="the most subtraction steps one problem takes")
+    tail_exponent: float = Field(
+        1.2, gt=0.0, le=10.0, description="P(steps = k) ∝ k^-tail_exponent on 1..max_steps: smaller, longer tail"
+    )
+    split: Literal["train", "heldout", "all"] = Field(
+        "train",
+        description="train: problems outside the held-out eighth (chosen by a hash of the problem); "
+        "heldout: only those; all: both",
+    )
+    seed: int = Field(0, description="seed of the problems drawn")
+
+
 # Where each field of a record is found, per data.format (dotted paths into a row).
 DATA_FORMATS = {
     "plain": {
@@ -155,7 +175,7 @@ class FileSource(Section):
                 setattr(self, key, name)
 
 
-DataSource = Annotated[ArithmeticSource | FileSource, Field(discriminator="type")]
+DataSource = Annotated[ArithmeticSource | LongAnswerSource | FileSource, Field(discriminator="type")]
 
 
 class PromptFormat(Section):
@@ -191,6 +211,10 @@ class ArithmeticData(PromptFormat, ArithmeticSource):
     """The built-in arithmetic task as training data."""
 
 
+class LongAnswerData(PromptFormat, LongAnswerSource):
+    """The built-in long-answer task as training data."""
+
+
 class FileData(PromptFormat, FileSource):
     """Prompt files as training data."""
 
@@ -202,7 +226,7 @@ class EvalConfig(Section):
     data's; evaluation never touches the training data's order."""
 
     sets: dict[str, DataSource] = Field(
-        default_factory=dict, description="name → source (type: file or arithmetic); empty: no evaluation"
+        default_factory=dict, description="name → source (type: file, arithmetic or long_answers); empty: no evaluation"
     )
     interval: int = Field(0, ge=0, description="steps between evaluations; 0: at step 0 and the end only")
     at_start: bool = Field(True, description="evaluate the initial policy (step 0) of a fresh run")

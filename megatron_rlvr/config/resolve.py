@@ -17,6 +17,8 @@ from megatron_rlvr.config.data import (
     EvalConfig,
     FileData,
     FileSource,
+    LongAnswerData,
+    LongAnswerSource,
 )
 from megatron_rlvr.config.model import ModelDims, model_dims
 from megatron_rlvr.config.schema import (
@@ -82,7 +84,7 @@ class ResolvedFileData(ResolvedFileSource, FileData):
     """data of type file after resolve(): every key named."""
 
 
-ResolvedDataSource = Annotated[ArithmeticSource | ResolvedFileSource, Field(discriminator="type")]
+ResolvedDataSource = Annotated[ArithmeticSource | LongAnswerSource | ResolvedFileSource, Field(discriminator="type")]
 
 
 class ResolvedEval(EvalConfig):
@@ -98,12 +100,16 @@ class ResolvedConfig(Config):
     rollout: ResolvedRollout = _filled(Config, "rollout")
     buffer: ResolvedBuffer = _filled(Config, "buffer")
     weight_sync: ResolvedWeightSync = _filled(Config, "weight_sync")
-    data: Annotated[ArithmeticData | ResolvedFileData, Field(discriminator="type")] = _filled(Config, "data")
+    data: Annotated[ArithmeticData | LongAnswerData | ResolvedFileData, Field(discriminator="type")] = _filled(
+        Config, "data"
+    )
     eval: ResolvedEval = _filled(Config, "eval")
 
 
 # ----------------------------------------------------------------------------- checks
-def data_sources(cfg: ResolvedConfig) -> list[tuple[str, ArithmeticSource | ResolvedFileSource]]:
+def data_sources(
+    cfg: ResolvedConfig,
+) -> list[tuple[str, ArithmeticSource | LongAnswerSource | ResolvedFileSource]]:
     """(dotted name, source) of the training data and of every eval set."""
     return [("data", cfg.data), *((f"eval.sets.{name}", s) for name, s in cfg.eval.sets.items())]
 

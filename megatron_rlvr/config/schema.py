@@ -9,9 +9,10 @@ from pydantic import Field, model_validator
 
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
-from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, VerifierConfig
+from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, LongAnswerData, VerifierConfig
 from megatron_rlvr.config.model import ModelConfig, TinyModel
 from megatron_rlvr.config.rejection import parse_rejection
+from megatron_rlvr.config.sft import SftConfig
 
 
 # ----------------------------------------------------------------------------- parallel
@@ -477,10 +478,12 @@ class Config(Section):
         default_factory=WeightSyncConfig, description="how the learner's weights reach the engines"
     )
     verifier: VerifierConfig = Field(default_factory=VerifierConfig, description="how responses are scored")
-    data: Annotated[ArithmeticData | FileData, Field(discriminator="type")] = Field(
-        default_factory=ArithmeticData, description="the training prompts: arithmetic (built in) or file"
+    data: Annotated[ArithmeticData | LongAnswerData | FileData, Field(discriminator="type")] = Field(
+        default_factory=ArithmeticData,
+        description="the training prompts: arithmetic or long_answers (built in), or file",
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out sets scored while training")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig, description="steps, optimizer, checkpoints")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="where metrics go")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="where the components run")
+    sft: SftConfig | None = Field(None, description="supervised fine-tuning (the sft command); train ignores it")

@@ -11,6 +11,7 @@ import os
 from megatron_rlvr.config import (
     DATA_FORMATS,
     ArithmeticSource,
+    LongAnswerSource,
     ResolvedConfig,
     ResolvedFileSource,
     VerifierConfig,
@@ -19,13 +20,14 @@ from megatron_rlvr.config import (
 from megatron_rlvr.data.arithmetic import arithmetic_prompts
 from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.files import load_source
+from megatron_rlvr.data.long_answers import long_answer_prompts
 from megatron_rlvr.data.records import LoadedPrompts
 
 log = logging.getLogger(__name__)
 
 
 def load_data(
-    source: ArithmeticSource | ResolvedFileSource,
+    source: ArithmeticSource | LongAnswerSource | ResolvedFileSource,
     verifiers: VerifierConfig,
     *,
     where: str = "data",
@@ -34,6 +36,8 @@ def load_data(
     """The records of one source; `where` is its dotted config name (data, eval.sets.NAME)."""
     if isinstance(source, ArithmeticSource):
         return arithmetic_prompts(source)
+    if isinstance(source, LongAnswerSource):
+        return long_answer_prompts(source)
     if any(getattr(source, key) is None for key in DATA_FORMATS[source.format]):  # not resolved yet
         source = source.model_copy()
         source.fill_keys()

@@ -312,6 +312,37 @@ class Learner:
             metrics.update(self._engine_agreement)
         return metrics
 
+    def sft_step(self, micro: list[TrainBatch], *, train: bool = True) -> dict[str, float]:
+        """One supervised step over a step's micro-batches (the same list on every rank):
+        the mean negative logprob of masked tokens, then an optimizer step unless train is
+        false (a held-out loss). See learner/sft.py."""
+        from megatron.core import parallel_state as mpu
+
+        from megatron_rlvr.learner import sft
+
+        dp = mpu.get_data_parallel_world_size()
+        local = sft.local_micro_batches(
+            micro,
+            dp=dp,
+            dp_rank=mpu.get_data_parallel_rank(),
+            tp_multiple=self.cfg.parallel.tp if self.bridge.config.sequence_parallel else 1,
+            same_shape=mpu.get_pipeline_model_parallel_world_size() > 1,
+        )
+        normalizer = max(float(sum(mb.response_mask.sum() for mb in micro)), 1.0)
+        for chunk in self.chunks:
+            chunk.train(train)
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = sft.sft_schedule(self.chunks, local, normalizer=normalizer, dp=dp, forward_only=not train)
+        metrics = sft.reduce_loss(outputs)
+        if train:
+            ok, grad_norm, _ = self.optimizer.step()
+            self.scheduler.step(increment=1)
+            self.step += 1
+            metrics.update(grad_norm=float(grad_norm or 0.0), update_skipped=float(not ok))
+            metrics["lr"] = self.optimizer.param_groups[0]["lr"]
+        return metrics
+
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model as HF-named tensors (collective; see model.export_hf_weights)."""
         return model_lib.export_hf_weights(self.modules, self.bridge)

@@ -1,0 +1,137 @@
+"""The built-in long-answer task: the remainder of n by d, found by subtracting d until what is
+left is smaller than d, every step written out, then the answer in GSM8K's form, which the
+math verifier reads:
+
+    prompt "45%7="  →  response "45-7=38 38-7=31 31-7=24 24-7=17 17-7=10 10-7=3 #### 3"
+
+The number of steps (n // d) is drawn from a truncated power law, so most answers are short
+and a few are very long, as real RLVR responses are. Each step is local (the previous result,
+the divisor from the prompt, one subtraction), so a tiny model can learn it; a long answer has
+more steps to get wrong. worked_examples() writes solutions for the supervised cold start,
+each step wrong with a given probability (a wrong step carries through to a wrong answer):
+imitating them leaves room for RL.
+
+    python tools/long_answer_stats.py [num_prompts [max_divisor]]   # the length statistics
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import zlib
+
+from megatron_rlvr.config import LongAnswerSource
+from megatron_rlvr.data.records import LoadedPrompts, PromptRecord
+
+# the characters the task writes; a tiny model for it needs them in model.tokenizer_chars
+CHARS = "0123456789-=%# "
+DATA_SOURCE = "long_answers"
+
+
+def draw_problem(rng: random.Random, spec: LongAnswerSource) -> tuple[int, int]:
+    """(n, d) of spec.split: steps = n // d drawn from P(k) ∝ k^-tail_exponent on
+    1..max_steps (redrawn until the problem is in the split)."""
+    ks = range(1, spec.max_steps + 1)
+    weights = [k**-spec.tail_exponent for k in ks]
+    for _ in range(10_000):  # the held-out eighth takes ~8 draws a problem
+        steps = rng.choices(ks, weights=weights)[0]
+        d = rng.randint(2, spec.max_divisor)
+        n = steps * d + rng.randrange(d)
+        if spec.split == "all" or is_heldout(n, d) == (spec.split == "heldout"):
+            return n, d
+    raise AssertionError("no problem of the split in 10000 draws")
+
+
+def is_heldout(n: int, d: int) -> bool:
+    """The held-out eighth of all problems, the same whatever the seed: an eval set of split
+    heldout never shares a problem with training data or cold-start data of split train."""
+    return zlib.crc32(prompt_text(n, d).encode()) % 8 == 0
+
+
+def prompt_text(n: int, d: int) -> str:
+    return f"{n}%{d}="
+
+
+def worked_solution(n: int, d: int, rng: random.Random | None = None, step_error_rate: float = 0.0) -> str:
+    """The written-out subtraction chain and '#### answer'. With step_error_rate, each step's
+    result is off by one with that probability (never below 0) until one is, and the chain
+    goes on from the wrong value: the final answer is then wrong (one off, modulo d)."""
+    parts, x, erred = [], n, False
+    while x >= d:
+        result = x - d
+        if rng is not None and not erred and step_error_rate and rng.random() < step_error_rate:
+            result, erred = result + 1 if result == 0 or rng.random() < 0.5 else result - 1, True
+        parts.append(f"{x}-{d}={result}")
+        x = result
+    return " ".join([*parts, f"#### {x}"])
+
+
+def long_answer_prompts(spec: LongAnswerSource) -> LoadedPrompts:
+    """The task's problems as one user message each, with the remainder as the answer."""
+    rng = random.Random(spec.seed)
+    records = []
+    for i in range(spec.num_prompts):
+        n, d = draw_problem(rng, spec)
+        records.append(
+            PromptRecord(f"long-{i}", [{"role": "user", "content": prompt_text(n, d)}], str(n % d), "math", DATA_SOURCE)
+        )
+    return LoadedPrompts(records)
+
+
+def worked_examples(spec: LongAnswerSource, step_error_rate: float, seed: int) -> list[list[dict]]:
+    """spec's problems as conversations with a worked answer (errors at step_error_rate),
+    the assistant turn last: supervised cold-start data."""
+    rng = random.Random(seed)
+    conversations = []
+    for record in long_answer_prompts(spec).records:
+        assert isinstance(record.prompt, list)
+        n, d = (int(x) for x in record.prompt[0]["content"].rstrip("=").split("%"))
+        answer = worked_solution(n, d, rng, step_error_rate)
+        conversations.append([*record.prompt, {"role": "assistant", "content": answer}])
+    return conversations
+
+
+def length_statistics(spec: LongAnswerSource) -> dict[str, float]:
+    """Token lengths of the correct responses to spec's problems (a character tokenizer: one
+    token per character, plus <eos>): median, p95, longest, and p95 / median."""
+    lengths = sorted(len(worked_solution(n, d)) + 1 for n, d in _problems(spec))
+    p95 = lengths[min(len(lengths) - 1, round(0.95 * (len(lengths) - 1)))]
+    median = statistics.median(lengths)
+    return {
+        "problems": len(lengths),
+        "mean": statistics.fmean(lengths),
+        "median": median,
+        "p95": p95,
+        "max": lengths[-1],
+        "p95_over_median": p95 / median,
+    }
+
+
+def _problems(spec: LongAnswerSource) -> list[tuple[int, int]]:
+    rng = random.Random(spec.seed)
+    return [draw_problem(rng, spec) for _ in range(spec.num_prompts)]
+
+
+def main(argv: list[str]) -> int:
+    """argv: [num_prompts [max_divisor]]."""
+    spec = LongAnswerSource(num_prompts=int(argv[0]) if argv else 512, max_divisor=int(argv[1]) if len(argv) > 1 else 9)
+    stats = length_statistics(spec)
+    print(
+        f"long_answers ({spec.num_prompts} problems, divisors 2..{spec.max_divisor}, seed {spec.seed}): "
+        "correct responses in tokens"
+    )
+    for key, value in stats.items():
+        print(f"  {key:>16}: {value:g}")
+    n, d = _problems(spec)[0]
+    print(f"  example: {prompt_text(n, d)} → {worked_solution(n, d)}")
+    return 0
+
+
+def verify_working(response: str, record: dict) -> float:
+    """A stricter reward than the math verifier's (verifier.functions): 1 only when the whole
+    working is the correct chain and its answer, so a guessed '#### r' earns nothing (with
+    divisors up to 5, a guess is right one time in three: RL on the answer alone learns to
+    skip the working of long problems and guess)."""
+    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
+    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
+    return float(response.strip() == worked_solution(n, d))

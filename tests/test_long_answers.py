@@ -1,0 +1,67 @@
+"""The built-in long-answer task: its length statistics, its answers as the math verifier
+reads them, its held-out split, and the error rate of its worked solutions."""
+
+import random
+import statistics
+
+import pytest
+
+from megatron_rlvr.config import LongAnswerSource, load_config
+from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
+from megatron_rlvr.data.long_answers import CHARS, draw_problem, is_heldout, length_statistics, worked_solution
+from megatron_rlvr.rewards.math import verify_math
+
+
+def test_correct_responses_are_long_and_long_tailed():
+    stats = length_statistics(LongAnswerSource())
+    assert stats["median"] >= 24
+    assert stats["p95"] >= 4 * stats["median"]
+    assert stats["max"] >= 160
+
+
+def test_lengths_count_the_character_tokenizers_tokens(tmp_path):
+    tokenizer = build_arithmetic_tokenizer(tmp_path, CHARS)
+    for n, d in ((88, 8), (5, 2), (217, 9)):
+        text = worked_solution(n, d)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
+        assert tokenizer.decode(ids) == text
+
+
+def test_the_math_verifier_scores_worked_solutions():
+    assert worked_solution(45, 7) == "45-7=38 38-7=31 31-7=24 24-7=17 17-7=10 10-7=3 #### 3"
+    records = load_data(LongAnswerSource(num_prompts=50), load_config(None).verifier).records
+    for record in records:
+        n, d = (int(x) for x in record.prompt[0]["content"].rstrip("=").split("%"))
+        assert verify_math(worked_solution(n, d), record.answer) == 1.0
+        assert verify_math(worked_solution(n, d, random.Random(0), step_error_rate=1.0), record.answer) == 0.0
+
+
+@pytest.mark.parametrize("rate", [0.02, 0.1])
+def test_the_step_error_rate_sets_how_often_a_worked_solution_is_right(rate):
+    spec = LongAnswerSource(num_prompts=4000, seed=5)
+    rng, draw = random.Random(1), random.Random(spec.seed)
+    problems = [draw_problem(draw, spec) for _ in range(spec.num_prompts)]
+    right = [verify_math(worked_solution(n, d, rng, rate), str(n % d)) for n, d in problems]
+    expected = statistics.fmean((1 - rate) ** (n // d) for n, d in problems)  # every step right
+    assert statistics.fmean(right) == pytest.approx(expected, abs=0.03)
+
+
+def test_the_heldout_split_shares_no_problem_with_training_data():
+    def problems(split: str, seed: int) -> set[str]:
+        spec = LongAnswerSource(num_prompts=400, split=split, seed=seed)
+        return {r.prompt[0]["content"] for r in load_data(spec, load_config(None).verifier).records}
+
+    train, heldout = problems("train", 0), problems("heldout", 1)
+    assert train and heldout and not train & heldout
+    assert all(is_heldout(*map(int, p.rstrip("=").split("%"))) for p in heldout)
+
+
+def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
+    from megatron_rlvr.data.long_answers import verify_working
+
+    record = {"prompt": [{"role": "user", "content": "45%7="}]}
+    assert verify_working(worked_solution(45, 7), record) == 1.0
+    assert verify_working("45-7=38 #### 3", record) == 0.0  # the right answer, guessed
+    assert verify_working(worked_solution(45, 7).replace("31", "30", 1), record) == 0.0
+    assert verify_math("45-7=38 #### 3", "3") == 1.0  # the math verifier reads the answer only
