@@ -1,7 +1,8 @@
 """Packed sequences (trainer.pack_sequences): the pack/unpack index arithmetic against hand
 computations and round trips, the routing reorder, the packed budget cut and the config refusal
 on CPU; the packed learner against the budgeted one on a GPU (THD runs on transformer-engine's
-attention only: the `gpu` test skips without CUDA, scripts/gpu_check.py's `packed` step runs it)."""
+bf16 attention only: the `gpu` test skips without CUDA, scripts/gpu_check.py's `packed` step
+runs it). That GPU test has not been run yet: no machine it was written on had a GPU."""
 
 import pytest
 import torch
@@ -30,12 +31,15 @@ def test_layout_by_hand():
     assert packed_positions(rows).tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 0, 1]]
     assert row_starts(rows)[0].nonzero().flatten().tolist() == [0, 4, 10]
     assert cu_seqlens(rows.lengths).tolist() == [0, 3, 8, 9] and cu_seqlens(rows.lengths).dtype == torch.int32
-    params = packed_seq_params(rows, torch.device("cpu"))
-    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [0, 3, 8, 9]
-    assert params.cu_seqlens_q_padded.tolist() == params.cu_seqlens_kv_padded.tolist() == [0, 4, 10, 12]
+    params = packed_seq_params(rows, torch.device("cpu"))  # each row's padding is its own: none between rows
+    assert params.qkv_format == "thd" and params.cu_seqlens_q.tolist() == params.cu_seqlens_kv.tolist() == [
+        0,
+        4,
+        10,
+        12,
+    ]
+    assert params.cu_seqlens_q.dtype == torch.int32 and params.cu_seqlens_q_padded is None
     assert params.max_seqlen_q == params.max_seqlen_kv == 6
-    unpadded = packed_seq_params(packed_rows(EXTENTS), torch.device("cpu"))
-    assert unpadded.cu_seqlens_q_padded is None and unpadded.cu_seqlens_q.tolist() == [0, 3, 8, 9]
     assert packed_rows(torch.tensor([0]), multiple=4).padded.tolist() == [4]  # a filler row is never empty
 
 
@@ -113,31 +117,40 @@ def test_packed_micro_batches_carry_their_layout():
     assert filler[-1].rows.numel() == 0 and filler[-1].packed is not None and filler[-1].packed.total == 1
 
 
+RUNNABLE = ["trainer.pack_sequences=true", "parallel.device=cuda", "trainer.dtype=bfloat16"]
+
+
 @pytest.mark.parametrize(
     "overrides",
     [
-        ["trainer.pack_sequences=true", "trainer.max_tokens_per_microbatch=64"],  # on CPU
-        ["trainer.pack_sequences=true", "parallel.device=cuda"],  # without a token budget
+        [*RUNNABLE, "trainer.max_tokens_per_microbatch=64", "parallel.device=cpu"],  # local attention: no THD
+        [*RUNNABLE, "trainer.max_tokens_per_microbatch=64", "trainer.dtype=float32"],  # TE: no fp32 THD backend
+        RUNNABLE,  # without a token budget
     ],
 )
 def test_packing_is_refused_where_it_cannot_run(overrides):
     with pytest.raises(ConfigError) as err:
         load_config(None, overrides)
     assert [line for line in err.value.problems if line.startswith("trainer.pack_sequences = true: ")], err.value
-    load_config(None, ["trainer.pack_sequences=true", "parallel.device=cuda", "trainer.max_tokens_per_microbatch=64"])
+    assert load_config(None, [*RUNNABLE, "trainer.max_tokens_per_microbatch=64"]).trainer.pack_sequences
+
+
+BF16 = 3e-2  # bf16 keeps 8 bits of mantissa; THD and BSHD run different attention kernels
 
 
 @pytest.mark.gpu
 def test_packed_step_equals_the_budgeted_step(tiny_hf_dir, tmp_path):
-    """World 1 on CUDA (transformer-engine spec, fp32): packed (THD) against budgeted micro-batches,
-    without replay, with R2 and with R3."""
-    (result,) = run_ranks(1, ["packed", str(tiny_hf_dir), "parallel.device=cuda"], tmp_path)
+    """World 1 on CUDA (transformer-engine spec): packed (THD) against budgeted micro-batches,
+    without replay, with R2 and with R3. In bf16: transformer-engine has no fp32 attention for THD
+    (its unfused backend refuses it), so the two agree to bf16's precision, not to 1e-5."""
+    (result,) = run_ranks(1, ["packed", str(tiny_hf_dir), "parallel.device=cuda", "trainer.dtype=bfloat16"], tmp_path)
     for mode, d in result.items():
-        assert d["logprob_diff"] <= 1e-5, (mode, d["logprob_diff"])  # relative, where |logprob| > 1
-        assert d["grad_diff"] <= 1e-5 and d["grad_scale"] > 1e-3, (mode, d["grad_diff"], d["grad_scale"])
+        if mode != "none":  # natural routing may flip a near-tied expert under bf16 rounding
+            assert d["logprob_diff"] <= BF16, (mode, d["logprob_diff"])  # relative, where |logprob| > 1
+        assert d["grad_diff"] <= BF16 * d["grad_scale"] and d["grad_scale"] > 1e-3, (mode, d["grad_diff"])
         budget, packed = d["budget"], d["packed"]
-        for key in ("policy_loss", "entropy", "grad_norm", "clipfrac", "ratio_mean", "rollout_is_mean"):
-            assert packed[key] == pytest.approx(budget[key], rel=1e-5, abs=1e-5), (mode, key)
+        for key in ("policy_loss", "entropy", "grad_norm", "ratio_mean", "rollout_is_mean"):
+            assert packed[key] == pytest.approx(budget[key], rel=BF16, abs=BF16), (mode, key)
         if mode != "none":
             assert min(d["checked"]) > 0 and d["mismatched"] == [0, 0], mode
             agreement = "routing_agreement_used" if mode == "r2" else "routing_agreement_engine_used"

@@ -397,7 +397,8 @@ class TrainerConfig(Section):
         False,
         description="concatenate each budgeted micro-batch's rows into one sequence (Megatron's THD layout, "
         "PackedSeqParams) instead of padding them to its longest row; a micro-batch then costs the sum of its "
-        "rows. Needs parallel.device = cuda with transformer-engine and trainer.max_tokens_per_microbatch",
+        "rows. Needs parallel.device = cuda with transformer-engine, trainer.dtype = bfloat16 (TE has no fp32 "
+        "THD attention) and trainer.max_tokens_per_microbatch",
     )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
     distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")

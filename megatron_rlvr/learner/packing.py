@@ -6,8 +6,12 @@ PackedRows says where each row lies in the pack. Row i takes its first `padded[i
 its extent (up to its last response token; causal attention makes the rest irrelevant) rounded
 up to `multiple` (sequence parallel splits the packed sequence over TP, so every row, and thus
 the total, is a multiple of tp). Inside the pack, position ids restart at 0 for every row, and
-cu_seqlens (the cumulative real lengths) and cu_seqlens_padded (the cumulative padded lengths)
-tell the attention where each row starts: no row attends to another.
+cu_seqlens, the cumulative padded lengths, tell the attention where each row starts: no row
+attends to another. A row's padding is part of its sequence, after its real tokens, which causal
+attention keeps from ever seeing it (the padded layout's right padding, the same way); so there
+is no padding *between* sequences, and no cu_seqlens_padded: transformer-engine rules out its
+flash-attention backend for THD with padding between sequences, and its unfused (fp32) backend
+for THD at all, so packing needs bf16 (trainer.dtype) and then may use flash or cuDNN attention.
 
 Everything here but `packed_seq_params` is index arithmetic on host tensors, tested on CPU
 against hand computations. The forward with PackedSeqParams runs only on transformer-engine's
@@ -96,20 +100,17 @@ def unpack_rows(packed: torch.Tensor, rows: PackedRows) -> list[torch.Tensor]:
 
 
 def packed_seq_params(rows: PackedRows, device: torch.device):
-    """Megatron's PackedSeqParams for the pack (THD): cu_seqlens over the real lengths, the
-    _padded variants over the positions each row takes when rows are padded; max seqlens are host
-    ints (TE then needs no device-to-host copy)."""
+    """Megatron's PackedSeqParams for the pack (THD): cu_seqlens over the positions each row takes
+    (its padding included: see the module doc), no _padded variants (they would mean padding
+    between sequences); max seqlens are host ints (TE then needs no device-to-host copy)."""
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    real = cu_seqlens(rows.lengths).to(device)
-    padded = cu_seqlens(rows.padded).to(device) if not torch.equal(rows.lengths, rows.padded) else None
+    bounds = cu_seqlens(rows.padded).to(device)
     longest = int(rows.padded.max())
     return PackedSeqParams(
         qkv_format="thd",
-        cu_seqlens_q=real,
-        cu_seqlens_kv=real,
-        cu_seqlens_q_padded=padded,
-        cu_seqlens_kv_padded=padded,
+        cu_seqlens_q=bounds,
+        cu_seqlens_kv=bounds,
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
