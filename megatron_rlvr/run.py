@@ -14,11 +14,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import functools
-import json
 import logging
 import math
 import os
-import pickle
 import secrets
 import shutil
 import tempfile
@@ -27,11 +25,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from megatron_rlvr import run_dir
 from megatron_rlvr.algo.ema_state import EmaBaselines
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
 from megatron_rlvr.errors import UserError, original
-from megatron_rlvr.run_dir import CHECKPOINT, RUN_STATE, RUN_STEP
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
@@ -229,22 +227,28 @@ class Run:
             self.save()
 
     def save(self) -> None:
-        """A checkpoint of the last finished step: the learner's, and the rollout side's
-        beside it (written whole or not at all: a crash mid-write keeps the previous one)."""
-        path = Path(self.cfg.trainer.output_dir) / CHECKPOINT
-        self.learners.save(path)
-        for name, data in (
-            (RUN_STATE, pickle.dumps(self._rollout_snapshot)),
-            (RUN_STEP, json.dumps({"step": self.finished_step}).encode()),
-        ):
-            partial = path / (name + ".partial")
-            partial.write_bytes(data)
-            partial.replace(path / name)
-        self.saved_step = self.finished_step
+        """A checkpoint of the last finished step, in a folder of its own: the learner's part,
+        then the rollout side's beside it, then the manifest that makes it complete; only
+        then does `latest` move to it and are older ones removed (run_dir's layout)."""
+        root, step, state = self.checkpoints, self.finished_step, self._rollout_snapshot
+        assert state is not None and state["step"] == step, "finish_step() records the state a save writes"
+        folder = run_dir.begin_save(root, step)
+        self.learners.save(folder / run_dir.LEARNER)
+        run_dir.kill_point("run_state", step)
+        run_dir.write_atomically(folder / run_dir.RUN_STATE, run_dir.dump_run_state(state))
+        run_dir.seal(folder, step)
+        run_dir.point_latest(root, folder, step)
+        self.saved_step = step
+        removed = run_dir.prune(root, self.cfg.trainer.keep_checkpoints, step)
+        log.info("saved %s%s", folder, f" (removed {', '.join(removed)})" if removed else "")
+
+    @property
+    def checkpoints(self) -> Path:
+        return Path(self.cfg.trainer.output_dir) / run_dir.CHECKPOINT
 
     def save_last(self) -> str:
         """Saves the last finished step unless it is on disk already; says where it stands."""
-        where = Path(self.cfg.trainer.output_dir) / CHECKPOINT
+        where = self.checkpoints
         if self.trained_step > self.finished_step:
             # the learner trained a step that never finished (its sync, its metrics line): its
             # weights are ahead of the rollout side's state, so what is on disk stays
@@ -259,16 +263,19 @@ class Run:
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
         engines; returns the step it was taken after (0: none)."""
-        path = Path(self.cfg.trainer.output_dir) / CHECKPOINT
-        if not (path / RUN_STATE).exists():
-            log.info("no checkpoint in %s: starting afresh", path)
+        found = run_dir.resumable(self.checkpoints)
+        if found is None:
+            log.info("no complete checkpoint in %s: starting afresh", self.checkpoints)
             return 0
-        state = pickle.loads((path / RUN_STATE).read_bytes())
-        step = self.learners.load(path)
+        path, _, why = found
+        if why is not None:
+            log.warning("%s: resuming from the newest complete checkpoint, %s", why, path)
+        state = run_dir.load_run_state(path / run_dir.RUN_STATE)
+        step = self.learners.load(path / run_dir.LEARNER)
         if step != state["step"]:
             raise RunError(
-                f"checkpoint {path} is incomplete: learner at step {step}, rollout state "
-                f"at step {state['step']} (delete it or set trainer.resume=false)"
+                f"checkpoint {path} is inconsistent: learner at step {step}, rollout state "
+                f"at step {state['step']} (remove it to resume from an older one, or set trainer.resume=false)"
             )
 
         async def restore() -> None:

@@ -75,7 +75,10 @@ def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
     assert "3/3" in done.stderr and "reward=" in done.stderr  # the progress bar
     assert (tmp_path / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
-    assert (tmp_path / "checkpoint" / "metadata.json").exists()
+    checkpoints = tmp_path / "checkpoint"  # steps 2 and 3 saved, both kept (trainer.keep_checkpoints=2)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["latest", "step_000002", "step_000003"]
+    assert (checkpoints / "latest").read_text() == "step_000003\n"
+    assert (checkpoints / "step_000003" / "learner" / "metadata.json").exists()
     assert (tmp_path / "model" / "tokenizer.json").exists()
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before  # nothing left running
     assert not left  # nor anything left in the temporary folder

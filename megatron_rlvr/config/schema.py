@@ -418,6 +418,12 @@ class TrainerConfig(Section):
         "engines route as the learner does; pretraining's 1e-3 would drift the routing every step",
     )
     save_interval: int = Field(0, ge=0, description="steps between checkpoints; 0: last only")
+    keep_checkpoints: int = Field(
+        2,
+        ge=1,
+        description="complete checkpoints kept under output_dir/checkpoint (one step_NNNNNN/ folder each); "
+        "older ones are removed only once a newer one is complete",
+    )
     resume: bool = Field(
         False,
         description="continue from output_dir's checkpoint (weights, optimizer, sampler and "

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from megatron_rlvr.convert.checks import DTYPES, ConvertError, compare_configs, target_dtype
+from megatron_rlvr.run_dir import learner_checkpoint
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 CONVERT_JSON = "convert.json"  # beside a converted checkpoint: source, dtype, layout, figures
@@ -173,7 +174,8 @@ def mcore_to_hf(
     max_shard_mb: float = 5000.0,
     stop: StopSignals | None = None,
 ) -> dict:
-    """Megatron checkpoint (a converted one, or a learner checkpoint with --hf-config) → HF
+    """Megatron checkpoint (a converted one, or a learner checkpoint with --hf-config: a run's
+    checkpoint folder, which means its latest complete step, or a step folder) → HF
     safetensors shards with their index, config and tokenizer files, in dtype (--dtype
     spelling; default: the checkpoint's, the dtype holding most of its elements). Returns the
     verify figures; a checkpoint converted from HF whose source is still there is also compared
@@ -181,9 +183,7 @@ def mcore_to_hf(
     from megatron_rlvr.convert.hf_files import copy_side_files
     from megatron_rlvr.convert.launch import resolve_layout, run_ranks
 
-    ckpt, out = Path(ckpt).resolve(), Path(out).resolve()
-    if not (ckpt / "metadata.json").is_file():
-        raise ConvertError(f"--ckpt {ckpt}: not a Megatron dist checkpoint (no metadata.json)")
+    ckpt, out = learner_checkpoint(Path(ckpt).resolve(), "--ckpt"), Path(out).resolve()
     stored = ckpt / "hf"
     if hf_config is not None:
         config_dir = Path(hf_config).resolve()
@@ -274,7 +274,12 @@ def add_parser(sub) -> None:
         help="weights dtype; default: config.json's, refused if that would round a tensor",
     )
     to_hf = directions.add_parser("mcore-to-hf", help="Megatron checkpoint -> HF safetensors")
-    to_hf.add_argument("--ckpt", required=True, help="Megatron checkpoint (converted, or a learner's)")
+    to_hf.add_argument(
+        "--ckpt",
+        required=True,
+        help="Megatron checkpoint: a converted one, or a run's "
+        "checkpoint/ folder (its latest complete step) or one of its step_NNNNNN/ folders",
+    )
     to_hf.add_argument("--out", required=True, help="new directory for the HF checkpoint")
     to_hf.add_argument("--hf-config", help="HF config and tokenizer directory; default: the checkpoint's own")
     to_hf.add_argument(

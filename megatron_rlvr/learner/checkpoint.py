@@ -6,6 +6,7 @@ layout on the same device type."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner import ModelChunk
+from megatron_rlvr.run_dir import CheckpointError, kill_amid_writes
 
 log = logging.getLogger(__name__)
 # Layout-independent optimizer state: per-parameter tensors, keys without the chained-optimizer
@@ -91,6 +93,7 @@ def save_checkpoint(learner, path: str | Path) -> None:
     state["layout"] = _layout()
     state["device"] = _device()
     state["optimizer_parts"] = _optimizer_parts(learner.optimizer)
+    kill_amid_writes(path, learner.step)  # the crash test's hook; nothing unless asked for
     dist_checkpointing.save(state, str(path))
 
 
@@ -99,9 +102,29 @@ def _optimizer_parts(optimizer) -> int:
     return len(getattr(optimizer, "chained_optimizers", [optimizer]))
 
 
+@contextlib.contextmanager
+def _reading(path: str | Path):
+    """A checkpoint whose files cannot be read (cut short, mixed, not a checkpoint) is a
+    CheckpointError in one line, not the reader's traceback."""
+    try:
+        yield
+    except UserError:
+        raise
+    except Exception as err:
+        said = str(err).strip().splitlines()
+        raise CheckpointError(
+            f"checkpoint {path} cannot be read ({type(err).__name__}{': ' + said[0][:200] if said else ''})"
+        ) from err
+
+
 def load_checkpoint(learner, path: str | Path, *, with_optimizer: bool = True) -> int:
     """Restores a checkpoint saved in any layout; returns its step. RNG states come back only
     when the layout is the same (they are per rank)."""
+    with _reading(path):
+        return _load_checkpoint(learner, path, with_optimizer=with_optimizer)
+
+
+def _load_checkpoint(learner, path: str | Path, *, with_optimizer: bool) -> int:
     from megatron.core import dist_checkpointing
 
     common = dist_checkpointing.load_common_state_dict(str(path))
@@ -232,11 +255,12 @@ def load_model(modules: list[ModelChunk], path: str | Path) -> None:
     config) without a word, so the tensor set and shapes are checked first. Collective."""
     from megatron.core import dist_checkpointing
 
-    state = model_state(modules[0])
-    kept = fit_to_checkpoint(modules[0], state, path)
-    check_model_tensors(state, dist_checkpointing.load_tensors_metadata(str(path)), path)
-    loaded = dist_checkpointing.load({"model": state}, str(path))
-    modules[0].load_state_dict({**loaded["model"], **kept})
+    with _reading(path):
+        state = model_state(modules[0])
+        kept = fit_to_checkpoint(modules[0], state, path)
+        check_model_tensors(state, dist_checkpointing.load_tensors_metadata(str(path)), path)
+        loaded = dist_checkpointing.load({"model": state}, str(path))
+        modules[0].load_state_dict({**loaded["model"], **kept})
 
 
 def _global_shapes(state: dict) -> dict[str, tuple[int, ...]]:

@@ -30,6 +30,7 @@ from megatron_rlvr.learner.forward import (
 )
 from megatron_rlvr.learner.parallel import device as rank_device
 from megatron_rlvr.learner.routing_replay import RecordRouting, ReplayRouting, RoutingReplay, WatchRouting
+from megatron_rlvr.run_dir import learner_checkpoint
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
@@ -68,7 +69,7 @@ class Learner:
         RouterReplay.clear_global_router_replay_instances()  # a process-global list: ours only
         modules = model_lib.build_model_chunks(self.bridge)
         if isinstance(cfg.model, HFModel) and cfg.model.mcore_checkpoint:
-            load_model(modules, cfg.model.mcore_checkpoint)
+            load_model(modules, learner_checkpoint(cfg.model.mcore_checkpoint, "model.mcore_checkpoint"))
         else:
             model_lib.load_hf_weights(modules, self.bridge, hf_dir)
         tcfg = self.bridge.config
