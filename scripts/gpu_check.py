@@ -5,6 +5,7 @@ Steps, in order; the first that fails stops the check, named, with a non-zero ex
   inventory    versions of torch, CUDA, NCCL, megatron.core, transformer_engine, sglang; the GPU
   learner-hf   world-1 learner on CUDA against HF logprobs (bf16, TE spec)   pytest -m gpu -k "hf and not replay"
   replay       routing replay R2/R3 on CUDA (tests/test_routing_replay.py)   pytest -m gpu -k replay
+  packed       packed sequences (THD, bf16) vs budgeted micro-batches, R2/R3 pytest -m gpu -k packed
   checkpoint   a checkpoint made on CPU loaded on GPU                       pytest -m gpu -k checkpoint
   sglang-gpu   real SGLang on the GPU (tp 1): engine API, weight sync, R3, repeated prompt across a sync
   learner-gpu  every other `gpu` test (the vocab-sharded logprob/entropy closed form, and any new one)
@@ -102,6 +103,14 @@ def plan(out: Path, stamp: str) -> list[Step]:
         ),
         pytest_step("replay", "routing replay R2/R3 on CUDA", "-k", "replay", "--ignore", SGLANG_GPU_TESTS),
         pytest_step(
+            "packed",
+            "packed sequences (THD, TE, bf16) vs budgeted micro-batches: logprobs, loss, grads, R2/R3",
+            "-k",
+            "packed",
+            "--ignore",
+            SGLANG_GPU_TESTS,
+        ),
+        pytest_step(
             "checkpoint", "a checkpoint made on CPU loaded on GPU", "-k", "checkpoint", "--ignore", SGLANG_GPU_TESTS
         ),
         pytest_step(
@@ -115,7 +124,7 @@ def plan(out: Path, stamp: str) -> list[Step]:
             "learner-gpu",
             "every other gpu test (vocab-sharded logprobs and entropy on CUDA, and any new one)",
             "-k",
-            "not (hf or replay or checkpoint)",
+            "not (hf or replay or checkpoint or packed)",
             "--ignore",
             SGLANG_GPU_TESTS,
         ),

@@ -3,7 +3,7 @@
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
 Scenarios: parity (logprobs vs HF, one train step, export), sft, ckpt-save, ckpt-load, descent,
-replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget.
+replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget, packed (GPU only).
 Writes this rank's JSON result to $RESULT.
 """
 
@@ -441,10 +441,26 @@ def budget_equality(hf_dir: str, overrides: list[str]) -> dict:
     rows over the training budget) against one padded micro-batch per rank and mini-batch,
     without replay, with R2 (routers perturbed between the passes) and with R3: logprobs,
     entropy, loss, grad norm, and this rank's gradient buffers after the step."""
+    return learner_equality(hf_dir, overrides, ("padded", ["trainer.micro_batch_size=8"]), ("budget", BUDGETED))
+
+
+def packed_equality(hf_dir: str, overrides: list[str]) -> dict:
+    """Packed micro-batches (trainer.pack_sequences: THD on transformer-engine, GPU only)
+    against the budgeted ones they pack, as budget_equality compares those with padding."""
+    return learner_equality(
+        hf_dir, overrides, ("budget", BUDGETED), ("packed", [*BUDGETED, "trainer.pack_sequences=true"])
+    )
+
+
+def learner_equality(
+    hf_dir: str, overrides: list[str], reference: tuple[str, list[str]], candidate: tuple[str, list[str]]
+) -> dict:
+    """Two learners that must agree (`reference`, `candidate`: name and config overrides) on the
+    long-tailed batch, in each replay mode: logprobs, metrics, gradient buffers."""
     out: dict = {}
     for mode in ("none", "r2", "r3"):
         seen: dict[str, dict] = {}
-        for name, extra in (("padded", ["trainer.micro_batch_size=8"]), ("budget", BUDGETED)):
+        for name, extra in (reference, candidate):
             learner = Learner(load_config(None, [*BASE, *overrides, f"algo.routing_replay={mode}", *extra]), hf_dir)
             batch = long_tailed_batch(learner.bridge.hf_config.vocab_size)
             if mode == "r3":
@@ -459,19 +475,19 @@ def budget_equality(hf_dir: str, overrides: list[str]) -> dict:
             grads = torch.cat([p.main_grad.flatten().cpu() for m in learner.modules for p in m.parameters()])
             seen[name] = {"logprobs": logprobs, "metrics": metrics, "grads": grads, "probe": probe}
             del learner
-        padded, budget = seen["padded"], seen["budget"]
+        ref, cand = seen[reference[0]], seen[candidate[0]]
         counted = torch.zeros_like(batch.response_mask, dtype=torch.bool)
         counted[:, 1:] = batch.response_mask[:, 1:] > 0
         out[mode] = {
             "logprob_diff": float(
-                ((padded["logprobs"] - budget["logprobs"]).abs() / padded["logprobs"].abs().clamp(min=1))[counted].max()
+                ((ref["logprobs"] - cand["logprobs"]).abs() / ref["logprobs"].abs().clamp(min=1))[counted].max()
             ),
-            "grad_diff": float((padded["grads"] - budget["grads"]).abs().max()),
-            "grad_scale": float(padded["grads"].abs().max()),
-            "padded": padded["metrics"],
-            "budget": budget["metrics"],
-            "mismatched": [c["probe"].mismatched for c in (padded, budget) if c["probe"]],
-            "checked": [c["probe"].checked for c in (padded, budget) if c["probe"]],
+            "grad_diff": float((ref["grads"] - cand["grads"]).abs().max()),
+            "grad_scale": float(ref["grads"].abs().max()),
+            reference[0]: ref["metrics"],
+            candidate[0]: cand["metrics"],
+            "mismatched": [c["probe"].mismatched for c in (ref, cand) if c["probe"]],
+            "checked": [c["probe"].checked for c in (ref, cand) if c["probe"]],
         }
     return out
 
@@ -515,9 +531,9 @@ def main() -> None:
     ckpt = rest.pop(0) if scenario.startswith("ckpt") else None
     cfg = load_config(None, [*BASE, *rest])
     init_parallel(cfg.parallel, seed=cfg.trainer.seed)
-    if scenario == "budget":  # builds its own learners
+    if scenario in ("budget", "packed"):  # builds its own learners
         with open(os.environ["RESULT"], "w") as f:
-            json.dump(budget_equality(hf_dir, rest), f)
+            json.dump((budget_equality if scenario == "budget" else packed_equality)(hf_dir, rest), f)
         destroy_parallel()
         return
     learner = Learner(cfg, hf_dir)

@@ -48,7 +48,18 @@ def test_a_pin_that_disagrees_with_sglangs_fails_the_check(tmp_path):
     assert "CONFLICT" in done.stderr and "transformers" in done.stderr, done.stderr[-3000:]
 
 
-STEPS = ["setup", "inventory", "learner-hf", "replay", "checkpoint", "sglang-gpu", "learner-gpu", "train", "submit"]
+STEPS = [
+    "setup",
+    "inventory",
+    "learner-hf",
+    "replay",
+    "packed",
+    "checkpoint",
+    "sglang-gpu",
+    "learner-gpu",
+    "train",
+    "submit",
+]
 
 
 def test_gpu_check_lists_its_steps_in_order():

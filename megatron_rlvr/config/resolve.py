@@ -192,6 +192,13 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
     for where, source in data_sources(cfg):
         if isinstance(source, FileSource):
             problems.extend(source.problems(where))
+    t = cfg.trainer
+    if t.pack_sequences and (p.device != "cuda" or t.dtype != "bfloat16" or t.max_tokens_per_microbatch is None):
+        problems.append(
+            "trainer.pack_sequences = true: packed sequences run only on transformer-engine's bf16 attention "
+            "(parallel.device = cuda, trainer.dtype = bfloat16) and pack budgeted micro-batches "
+            "(set trainer.max_tokens_per_microbatch)"
+        )
     if cfg.trainer.min_lr > cfg.trainer.lr:
         problems.append(f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})")
     return problems

@@ -401,6 +401,13 @@ class TrainerConfig(Section):
         description="token budget of a micro-batch of the forward-only logprob pass (no activations kept for "
         "backward: it can take more); None: max_tokens_per_microbatch",
     )
+    pack_sequences: bool = Field(
+        False,
+        description="concatenate each budgeted micro-batch's rows into one sequence (Megatron's THD layout, "
+        "PackedSeqParams) instead of padding them to its longest row; a micro-batch then costs the sum of its "
+        "rows. Needs parallel.device = cuda with transformer-engine, trainer.dtype = bfloat16 (TE has no fp32 "
+        "THD attention) and trainer.max_tokens_per_microbatch",
+    )
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="learner weights")
     distributed_optimizer: bool = Field(True, description="shard optimizer state over DP")
     lr_decay_style: Literal["constant", "linear", "cosine"] = Field(

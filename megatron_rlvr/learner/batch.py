@@ -5,10 +5,10 @@ Per-token tensors are [B, T] aligned with *target* tokens: position t holds the 
 input_ids[b, t] predicted from input_ids[b, :t]; position 0 never counts. Sequences are
 right-padded: with causal attention, real tokens never see the padding after them.
 
-Under a token budget each micro-batch is padded only to its own longest row. Rows are not
-packed into one sequence (Megatron's THD layout with PackedSeqParams): the local spec's
-DotProductAttention, the CPU learner's, refuses packed sequences; only transformer-engine's
-attention takes them.
+Under a token budget each micro-batch is padded only to its own longest row. With
+trainer.pack_sequences (GPU only: the local spec's DotProductAttention, the CPU learner's,
+refuses packed sequences; transformer-engine's takes them) its rows are concatenated into one
+sequence instead (learner/packing.py) and a micro-batch costs the sum of its rows.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
+
+from megatron_rlvr.learner.packing import PackedRows, packed_rows
 
 
 @dataclass
@@ -109,6 +111,7 @@ class MicroBatch:
 
     data: TrainBatch
     rows: torch.Tensor
+    packed: PackedRows | None = None  # trainer.pack_sequences: where data's rows lie in one sequence
 
 
 def row_extents(batch: TrainBatch) -> torch.Tensor:
@@ -122,19 +125,26 @@ def _width(extent: int, multiple: int) -> int:
     return max(math.ceil(extent / multiple) * multiple, multiple)
 
 
-def budget_bins(extents: list[int], max_tokens: int, multiple: int = 1) -> list[list[int]]:
+def budget_bins(extents: list[int], max_tokens: int, multiple: int = 1, packed: bool = False) -> list[list[int]]:
     """First-fit decreasing: rows longest first, each into the first micro-batch whose cost,
-    rows × its longest row (rounded up to `multiple`), stays within max_tokens. A row longer
-    than the budget gets a micro-batch of its own; rows with no tokens go nowhere."""
+    rows × its longest row (rounded up to `multiple`), or packed the sum of its rows (each
+    rounded up), stays within max_tokens. A row longer than the budget gets a micro-batch of its
+    own; rows with no tokens go nowhere."""
     order = sorted((i for i, n in enumerate(extents) if n > 0), key=lambda i: (-extents[i], i))
     bins: list[list[int]] = []
+    used: list[int] = []
     for row in order:
-        for b in bins:
-            if (len(b) + 1) * _width(extents[b[0]], multiple) <= max_tokens:
+        for j, b in enumerate(bins):
+            cost = (
+                used[j] + _width(extents[row], multiple) if packed else (len(b) + 1) * _width(extents[b[0]], multiple)
+            )
+            if cost <= max_tokens:
                 b.append(row)
+                used[j] += _width(extents[row], multiple)
                 break
         else:
             bins.append([row])
+            used.append(_width(extents[row], multiple))
     return bins
 
 
@@ -153,15 +163,20 @@ def even_out(bins: list[list[int]], count: int) -> list[list[int]]:
 
 
 def budget_micro_batches(
-    batch: TrainBatch, rows_per_rank: list[torch.Tensor], rank: int, max_tokens: int, multiple: int = 1
+    batch: TrainBatch,
+    rows_per_rank: list[torch.Tensor],
+    rank: int,
+    max_tokens: int,
+    multiple: int = 1,
+    packed: bool = False,
 ) -> tuple[list[MicroBatch], list[int]]:
     """This rank's micro-batches of `rows_per_rank[rank]` (indices of `batch`) under a token
     budget, as many as the data-parallel rank with the most, each trimmed to its longest row
     (rounded up to `multiple`: sequence parallel splits positions over TP); and the widths
     of the rows longer than the budget. Every rank plans every rank's cut from the same batch, so no
-    rank asks another."""
+    rank asks another. `packed`: micro-batches cost the sum of their rows and carry their packing."""
     extents = row_extents(batch)
-    plans = [budget_bins(extents[rows].tolist(), max_tokens, multiple) for rows in rows_per_rank]
+    plans = [budget_bins(extents[rows].tolist(), max_tokens, multiple, packed) for rows in rows_per_rank]
     mine = rows_per_rank[rank]
     micro = []
     for b in even_out(plans[rank], max(len(p) for p in plans)):
@@ -171,6 +186,7 @@ def budget_micro_batches(
         else:
             data = batch.select(mine[:1]).trimmed_to(multiple)
             data.response_mask.zero_()
-        micro.append(MicroBatch(data, rows))
+        layout = packed_rows(extents[rows] if len(rows) else torch.zeros(1), multiple) if packed else None
+        micro.append(MicroBatch(data, rows, layout))
     over = [width for i in mine if (width := _width(int(extents[i]), multiple)) > max_tokens]
     return micro, over

@@ -4,6 +4,8 @@ and one mini-batch of policy-gradient training (forward + backward over micro-ba
 Logprobs and entropy come from learner/logits.py: under TP each rank holds a slice of the
 vocabulary and only per-token maxima and sums cross ranks, never the full-vocab logits; they
 are computed a chunk of tokens at a time, which bounds the last stage's logit-side memory.
+A packed micro-batch (trainer.pack_sequences, learner/packing.py) runs as one sequence with
+PackedSeqParams; its logprobs and entropy are unpacked to the [B, W] layout before the loss.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from megatron_rlvr.algo.metrics import masked_mean
 from megatron_rlvr.config import AlgoConfig
 from megatron_rlvr.learner.batch import MicroBatch, TrainBatch
 from megatron_rlvr.learner.logits import logprobs_and_entropy
+from megatron_rlvr.learner.packing import pack, packed_positions, packed_seq_params, unpack
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -29,6 +32,25 @@ class MicroBatchHooks(Protocol):
     def before_forward(self, mb: MicroBatch) -> None: ...
 
     def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None: ...
+
+
+def model_inputs(mb: MicroBatch, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(token ids, position ids, extra forward kwargs) of a micro-batch: [B, W] rows, or packed
+    [1, total] with position ids restarting per row and the PackedSeqParams."""
+    if mb.packed is None:
+        ids = mb.data.input_ids.to(device)
+        return ids, torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids), {}
+    ids = pack(mb.data.input_ids, mb.packed).to(device)
+    return ids, packed_positions(mb.packed).to(device), {"packed_seq_params": packed_seq_params(mb.packed, device)}
+
+
+def token_stats(mb: MicroBatch, output: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logprobs and entropy [B, W] of the micro-batch's rows from the last stage's output."""
+    if mb.packed is None:
+        return logprobs_and_entropy(output, mb.data.input_ids, temperature)
+    logprobs, entropy = logprobs_and_entropy(output, pack(mb.data.input_ids, mb.packed), temperature)
+    width = mb.data.input_ids.shape[1]
+    return unpack(logprobs, mb.packed, width), unpack(entropy, mb.packed, width)
 
 
 def run_schedule(
@@ -49,22 +71,22 @@ def run_schedule(
 
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
-        ids = mb.data.input_ids.to(device)
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
+        ids, positions, extra = model_inputs(mb, device)
         if hooks is not None:
             hooks.before_forward(mb)
-        output = model(ids, positions, None)
+        output = model(ids, positions, None, **extra)
         if hooks is not None:
             hooks.after_forward(mb, output)
-        return output, partial(loss_fn, mb.data)
+        return output, partial(loss_fn, mb)
 
+    first = micro[0]
     return get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iter(micro),
         model=chunks,
         num_microbatches=len(micro),
-        seq_length=micro[0].data.input_ids.shape[1],
-        micro_batch_size=micro[0].data.size,
+        seq_length=first.packed.total if first.packed is not None else first.data.input_ids.shape[1],
+        micro_batch_size=1 if first.packed is not None else first.data.size,
         forward_only=forward_only,
         collect_non_loss_data=collect,
     )
@@ -78,7 +100,7 @@ def forward_logprobs(
     from megatron.core import parallel_state as mpu
 
     def collect(mb, output, non_loss_data=True):
-        return logprobs_and_entropy(output, mb.input_ids, temperature)[0].detach()
+        return token_stats(mb, output, temperature)[0].detach()
 
     with torch.no_grad():
         outputs = run_schedule(chunks, micro, collect, forward_only=True, collect=True, hooks=hooks)
@@ -112,9 +134,10 @@ def train_minibatch(
     scale = len(micro) * mpu.get_data_parallel_world_size()
     options = loss_options(algo)
 
-    def loss_fn(mb, output):
+    def loss_fn(micro_batch, output):
         device = output.device
-        logprobs, entropy = logprobs_and_entropy(output, mb.input_ids, temperature)
+        logprobs, entropy = token_stats(micro_batch, output, temperature)
+        mb = micro_batch.data
         mask = mb.response_mask.to(device)
         if algo.agg == "seq-mean-token-sum-norm":
             agg_normalizer = sum_norm_divisor

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from megatron_rlvr.config import HFModel, ResolvedConfig
+from megatron_rlvr.config import ConfigError, HFModel, ResolvedConfig
 from megatron_rlvr.learner import model as model_lib
 from megatron_rlvr.learner.batch import (
     MicroBatch,
@@ -52,6 +52,8 @@ class Learner:
         from megatron.core.transformer.moe.router_replay import RouterReplay
 
         self.cfg = cfg
+        if cfg.trainer.pack_sequences and not model_lib.have_transformer_engine():
+            raise ConfigError(["trainer.pack_sequences = true: transformer_engine does not import here (THD needs it)"])
         dtype = DTYPES[cfg.trainer.dtype]
         hf_config = model_lib.read_hf_config(hf_dir)
         # the engine's routing, when captured, is also measured against ours in every mode
@@ -164,7 +166,7 @@ class Learner:
                 for mb in micro_batches(batch, rows, self.cfg.trainer.micro_batch_size)
             ]
         flat = [torch.cat(groups) for groups in rows_per_rank]
-        micro, over = budget_micro_batches(batch, flat, rank, max_tokens, multiple)
+        micro, over = budget_micro_batches(batch, flat, rank, max_tokens, multiple, self.cfg.trainer.pack_sequences)
         if over and not self._said_over_budget:
             self._said_over_budget = True
             log.warning(

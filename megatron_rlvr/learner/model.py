@@ -65,7 +65,7 @@ def make_bridge(
     spec (and no fused kernels) otherwise; the family's own settings over the bridge's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    use_te = device == "cuda" and _have_transformer_engine()
+    use_te = device == "cuda" and have_transformer_engine()
     base: Any = _bridge_class(hf_config.model_type)  # a class chosen at run time
     family = family_of(hf_config)
 
@@ -119,7 +119,7 @@ def make_bridge(
     return bridge
 
 
-def _have_transformer_engine() -> bool:
+def have_transformer_engine() -> bool:
     try:
         import transformer_engine  # noqa: F401
     except ImportError:

@@ -8,6 +8,10 @@ sequence-parallel chunk. So targets are set before every micro-batch's forward, 
       into other micro-batches (token budgets differ between the two passes), or
   R3: the engine's routing, a host tensor [B, T, num_hidden_layers, top_k], mapped here to
       this rank's tokens (SP chunk) and this stage's MoE layers (dense layers skipped).
+A packed micro-batch (trainer.pack_sequences) is one sequence: the router's token order is the
+packed order (b = 1; under SP, this rank's chunk of it), so per-position values are packed
+(learner/packing.py) before they are cut to the local order, and R2's recording is split back
+into rows.
 With activation recompute, the recomputed forward inside backward pops targets in micro-batch
 order (REPLAY_BACKWARD); a hook on each micro-batch's output switches to it when that
 micro-batch's backward starts.
@@ -26,6 +30,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.learner import ModelChunk
 from megatron_rlvr.learner.batch import MicroBatch
+from megatron_rlvr.learner.packing import PackedRows, pack, unpack_rows
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -121,18 +126,21 @@ class RoutingReplay:
 
         self._set_action(RouterReplayAction.RECORD)
 
-    def watch(self, routed_experts: torch.Tensor | None, response_mask: torch.Tensor) -> None:
+    def watch(
+        self, routed_experts: torch.Tensor | None, response_mask: torch.Tensor, packed: PackedRows | None = None
+    ) -> None:
         """Before a forward that routes naturally: measure that routing against the engine's
         (set as targets, which no replay action reads), when the micro-batch carries it."""
         self._valid = None
         if routed_experts is not None:
-            for (_, router), target in zip(self.routers, self.engine_targets(routed_experts)):
+            for (_, router), target in zip(self.routers, self.engine_targets(routed_experts, packed)):
                 router.router_replay.set_target_indices(target.long())
-            self._valid = self.local_valid(response_mask)
+            self._valid = self.local_valid(response_mask, packed)
 
-    def keep_recorded(self, rows: torch.Tensor, width: int) -> None:
+    def keep_recorded(self, rows: torch.Tensor, width: int, packed: PackedRows | None = None) -> None:
         """After that forward: keep what each local router chose, per row of the micro-batch
-        (`rows`, `width` positions), over all positions (gathered from the SP ranks)."""
+        (`rows`, `width` positions, or the rows of the pack), over all positions (gathered from
+        the SP ranks)."""
         from megatron.core import parallel_state as mpu
 
         if not self.routers or not len(rows):
@@ -144,12 +152,18 @@ class RoutingReplay:
                 parts = [torch.empty_like(chosen) for _ in range(self.tp_size)]
                 dist.all_gather(parts, chosen, group=mpu.get_tensor_model_parallel_group())
                 chosen = torch.cat(parts)  # the SP chunks, in position order
-            per_layer.append(chosen.cpu().to(self._recorded_dtype).view(width, -1, self.top_k))
-        by_row = torch.stack(per_layer, dim=2).transpose(0, 1)  # [b, s, local layers, k]
+            per_layer.append(chosen.cpu().to(self._recorded_dtype).view(-1, self.top_k))
+        if packed is not None:  # [total, local layers, k] in packed order
+            per_row = unpack_rows(torch.stack(per_layer, dim=1), packed)
+        else:
+            by_position = torch.stack(per_layer, dim=1).view(width, -1, len(per_layer), self.top_k)
+            per_row = list(by_position.transpose(0, 1))  # [b][s, local layers, k]
         for j, row in enumerate(rows.tolist()):
-            self.recorded[row] = by_row[j].clone()
+            self.recorded[row] = per_row[j].clone()
 
-    def recorded_targets(self, rows: torch.Tensor, size: int, width: int) -> list[torch.Tensor]:
+    def recorded_targets(
+        self, rows: torch.Tensor, size: int, width: int, packed: PackedRows | None = None
+    ) -> list[torch.Tensor]:
         """R2's recorded routing for a micro-batch of `size` rows (`rows` of the batch, then
         fillers) and `width` positions, per local MoE layer [s_local · b, k]. Positions past
         what was recorded are padding (they reach no counted token): any distinct experts do."""
@@ -158,7 +172,7 @@ class RoutingReplay:
         for j, row in enumerate(rows.tolist()):
             kept = self.recorded[row][:width]
             per_position[j, : kept.shape[0]] = kept
-        local = local_token_order(per_position, self.tp_rank, self.tp_size, self.sequence_parallel)
+        local = self._local(per_position, packed)
         return [local[:, i] for i in range(len(self.routers))]
 
     def replay(self, targets: list[torch.Tensor], valid: torch.Tensor) -> None:
@@ -180,7 +194,13 @@ class RoutingReplay:
             output.register_hook(lambda grad: self._set_action(RouterReplayAction.REPLAY_BACKWARD))
 
     # ------------------------------------------------------------------ data mapping
-    def engine_targets(self, routed_experts: torch.Tensor) -> list[torch.Tensor]:
+    def _local(self, per_position: torch.Tensor, packed: PackedRows | None) -> torch.Tensor:
+        """[b, s, ...] per-position values of a micro-batch → this rank's router token order."""
+        if packed is not None:
+            per_position = pack(per_position, packed)
+        return local_token_order(per_position, self.tp_rank, self.tp_size, self.sequence_parallel)
+
+    def engine_targets(self, routed_experts: torch.Tensor, packed: PackedRows | None = None) -> list[torch.Tensor]:
         """Engine routing of a micro-batch [b, s, num_hidden_layers, k] → per local MoE layer
         [s_local · b, k]."""
         if routed_experts.shape[2:] != (self.num_layers, self.top_k):
@@ -188,11 +208,11 @@ class RoutingReplay:
                 f"routed experts shaped {tuple(routed_experts.shape)}: the model has "
                 f"{self.num_layers} layers with top-{self.top_k}"
             )
-        local = local_token_order(routed_experts, self.tp_rank, self.tp_size, self.sequence_parallel)
+        local = self._local(routed_experts, packed)
         return [local[:, layer] for layer, _ in self.routers]
 
-    def local_valid(self, response_mask: torch.Tensor) -> torch.Tensor:
-        return local_token_order(replay_valid_mask(response_mask), self.tp_rank, self.tp_size, self.sequence_parallel)
+    def local_valid(self, response_mask: torch.Tensor, packed: PackedRows | None = None) -> torch.Tensor:
+        return self._local(replay_valid_mask(response_mask), packed)
 
     # ------------------------------------------------------------------ agreement
     def _measure(self, layer: int):
@@ -244,7 +264,7 @@ class WatchRouting:
         self.replay = replay
 
     def before_forward(self, mb: MicroBatch) -> None:
-        self.replay.watch(mb.data.routed_experts, mb.data.response_mask)
+        self.replay.watch(mb.data.routed_experts, mb.data.response_mask, mb.packed)
 
     def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
         pass
@@ -258,7 +278,7 @@ class RecordRouting(WatchRouting):
         self.replay.record()
 
     def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
-        self.replay.keep_recorded(mb.rows, mb.data.input_ids.shape[1])
+        self.replay.keep_recorded(mb.rows, mb.data.input_ids.shape[1], mb.packed)
 
 
 class ReplayRouting:
@@ -271,11 +291,11 @@ class ReplayRouting:
     def before_forward(self, mb: MicroBatch) -> None:
         data = mb.data
         if self.source == "recorded":
-            targets = self.replay.recorded_targets(mb.rows, data.size, data.input_ids.shape[1])
+            targets = self.replay.recorded_targets(mb.rows, data.size, data.input_ids.shape[1], mb.packed)
         else:
             assert data.routed_experts is not None, "the learner checks R3 batches for routed experts"
-            targets = self.replay.engine_targets(data.routed_experts)
-        self.replay.replay(targets, self.replay.local_valid(data.response_mask))
+            targets = self.replay.engine_targets(data.routed_experts, mb.packed)
+        self.replay.replay(targets, self.replay.local_valid(data.response_mask, mb.packed))
 
     def after_forward(self, mb: MicroBatch, output: torch.Tensor) -> None:
         self.replay.replay_backward_on(output)
