@@ -22,7 +22,13 @@ from megatron_rlvr.compare.report import write_report
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "compare-replay-cpu.yaml"
 PNG = b"\x89PNG\r\n\x1a\n"
-TIMING = ("time/step_s", "weight_sync/seconds")
+TIMING = (
+    "time/step_s",
+    "weight_sync/seconds",
+    "loop/tokens_per_s",
+    "loop/engine_busy_fraction",
+    "loop/learner_busy_fraction",
+)
 # engine vs learner logprobs: float rounding that may depend on how the engine batched
 ROUNDING = ("train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl")
 

@@ -24,6 +24,7 @@ INTERNAL = {
     "BadRow": "data.files turns it into a DataError naming file:line, or counts the row as skipped",
     "_NoOrder": "math_compare: a comparison without an order; the verifier's verdict says why",
     "Undecided": "math_eval: numeric evaluation could not decide; sympy is asked next",
+    "NotAValue": "rewards.runner: a solution's return that is not plain data scores 0 with reason not_a_value",
     "AnswerError": "math_text: no final answer found; the verdict's reason counts it",
     "EngineRequestError": "the rollout manager retries or moves the group, counted in metrics",
     "EngineUnavailable": "the rollout manager restarts the engine or moves the group",

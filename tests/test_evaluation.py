@@ -156,7 +156,14 @@ def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
     assert "eval at step 0: held pass@1" in log and "eval=" in log  # its line, and the progress bar
     # The same groups, samples, rewards and counts; the learner's numbers up to the float
     # rounding of rollout logprobs that depends on how the engine batched (as in test_train_e2e).
-    timing = {"time/step_s", "weight_sync/seconds", "time/eval_s"}
+    timing = {
+        "time/step_s",
+        "weight_sync/seconds",
+        "time/eval_s",
+        "loop/tokens_per_s",
+        "loop/engine_busy_fraction",
+        "loop/learner_busy_fraction",
+    }
     noise = {"weight_sync/parity_max_gap", "train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl"}
     assert len(without) == len(trained)
     for a, b in zip(trained, without):  # (data/* counts ride on the first line each run writes)

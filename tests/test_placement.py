@@ -83,5 +83,5 @@ def test_no_component_asks_where_it_lives():
         code = "\n".join(line.split("#")[0] for line in path.read_text().splitlines())
         code = re.sub(r'"""(.|\n)*?"""', "", code)  # docstrings may say where things run
         assert "ray.remote" not in code, path
-        assert "launch.mode" not in code, path
+        assert not re.search(r"launch\.mode(?!=)", code), path  # read; setting it (`launch.mode=local`) is not asking
         assert not re.search(r"\bremote\s*[:=]", code), path

@@ -281,8 +281,13 @@ def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_c
         killed_at = len(rows(metrics))
         while time.monotonic() < deadline and proc.poll() is None:
             if "joined ['http" in (tmp_path / "stderr.log").read_text():
+                # the step after the re-join, and one whose metrics see the engine serving again
+                # (the join is logged as the sync begins, the readmission comes after it)
                 rejoined_at = len(rows(metrics))
-                while len(rows(metrics)) < rejoined_at + 1 and time.monotonic() < deadline:
+                while time.monotonic() < deadline and proc.poll() is None:
+                    now = rows(metrics)
+                    if len(now) >= rejoined_at + 1 and now[-1]["rollout/engines_serving"] == 2:
+                        break
                     time.sleep(0.2)
                 break
             time.sleep(0.5)

@@ -85,7 +85,13 @@ def test_a_short_run_trains_syncs_and_logs(overrides, tmp_path):
 
 
 def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
-    timing = ("time/step_s", "weight_sync/seconds")
+    timing = (
+        "time/step_s",
+        "weight_sync/seconds",
+        "loop/tokens_per_s",
+        "loop/engine_busy_fraction",
+        "loop/learner_busy_fraction",
+    )
     # engine vs learner logprobs: float rounding (~1e-7) that depends on how the engine batched
     noise = ("weight_sync/parity_max_gap", "train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl")
     whole, _ = train(tmp_path / "whole", "launch.mode=local", "trainer.steps=4")

@@ -78,8 +78,16 @@ def _bounds(metadata: list) -> list[str]:
         for attr, sign in signs.items():
             value = getattr(item, attr, None)
             if value is not None:
-                out.append(f"{sign} {value}")
+                out.append(f"{sign} {_number(value)}")
     return out
+
+
+def _number(value: object) -> str:
+    """A bound as text, the same whichever of the equal 0 and 0.0 pydantic's cached metadata
+    holds (it depends on what was imported first): integral values without a decimal point."""
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
 
 
 def default_text(field: FieldInfo) -> str:
