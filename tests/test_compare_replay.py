@@ -242,6 +242,7 @@ def test_r3_routes_as_the_engine_while_natural_routing_differs_under_the_preset(
     assert all(m["train/routing_agreement_engine_used"] == m["train/routing_agreement_engine"] for m in none)
 
 
+@pytest.mark.slow  # two more real runs; the comparison itself runs in the default tier
 def test_an_interrupted_comparison_resumes_without_redoing_finished_runs(compared, tmp_path):
     out = tmp_path / "out"
     args = [PRESET, "--modes", "none,r3", "--steps", "3", "--out", out]

@@ -148,6 +148,7 @@ def test_chunked_logprobs_and_entropy_from_vocab_sharded_logits_equal_the_closed
             assert d["logprob_diff"] <= 1e-5 and d["value_diff"] <= 1e-5 and d["grad_diff"] <= 1e-6, (rows, d)
 
 
+@pytest.mark.slow  # a learning-dynamics run
 def test_the_entropy_bonus_keeps_the_policy_from_sharpening(tiny_hf_dir, tmp_path):
     def entropies(coef: float) -> list[float]:
         (tmp_path / str(coef)).mkdir()

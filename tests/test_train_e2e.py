@@ -277,6 +277,7 @@ def test_a_run_whose_data_has_nothing_to_teach_ends_after_its_generation_bound(t
     assert "no step had finished: nothing to save" in last[0]
 
 
+@pytest.mark.slow  # a ten-step run; DeepSeek-V3's R3 and weight sync are checked in the learner and weight-sync tests
 def test_ten_r3_steps_on_a_deepseek_v3_checkpoint(tmp_path):
     """A DeepSeek-V3-shaped HF checkpoint (group-limited sigmoid routing with a score bias, MLA,
     YaRN, a dense first layer) as `model: {type: hf, path: ...}`: R3 replays the CPU engine's
