@@ -252,6 +252,7 @@ def test_a_short_run_against_sglang_syncs_every_step_and_replays_its_routing(tmp
     _no_process_left([psutil.Process(p) for p in _descendants() - before if psutil.pid_exists(p)])
 
 
+@pytest.mark.slow  # ~3 min: two SGLang servers, one restarted; its CPU-engine twin (test_train_e2e) is in the default tier
 def test_a_sglang_server_sigkilled_mid_rollout_loses_no_group_and_rejoins_with_current_weights(tmp_path):
     """Two SGLang engines; one is SIGKILLed with a request in flight as a batch is being
     generated. Its groups move to the other, it is restarted, and it takes work again only
