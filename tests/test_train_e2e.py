@@ -92,7 +92,8 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
         "loop/engine_busy_fraction",
         "loop/learner_busy_fraction",
     )
-    # engine vs learner logprobs: float rounding (~1e-7) that depends on how the engine batched
+    # engine vs learner logprobs: float rounding that depends on how the engine batched
+    # (~1e-5 once the engine batches continuously), and the importance weights made from them
     noise = ("weight_sync/parity_max_gap", "train/mismatch_abs_max", "train/mismatch_abs_mean", "train/mismatch_k3_kl")
     whole, _ = train(tmp_path / "whole", "launch.mode=local", "trainer.steps=4")
     train(tmp_path / "halves", "launch.mode=local", "trainer.steps=2")
@@ -101,8 +102,12 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     assert "resumed from" in done.stderr
     for a, b in zip(whole, resumed):
         assert set(a) == set(b)
-        for key in set(a) - set(timing) - set(noise):
+        # learner metrics carry that rounding through the importance weights into the loss
+        weights = {key for key in a if key.startswith("train/")} - set(noise)
+        for key in set(a) - set(timing) - set(noise) - weights:
             assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        for key in weights:
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-6), (a["step"], key)
         for key in noise:
             assert a[key] == pytest.approx(b[key], abs=1e-5), (a["step"], key)
     assert tensorboard_steps(tmp_path / "halves", "train/policy_loss") == [1, 2, 3, 4]  # each step once
