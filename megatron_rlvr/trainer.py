@@ -61,7 +61,8 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                     pad_id=run.tokenizer.pad_token_id or 0,
                     routing=run.routing_shape,
                     slots=cfg.algo.num_minibatches * cfg.parallel.dp,
-                    micro_batch_size=cfg.trainer.micro_batch_size,
+                    # a token budget cuts rows itself: no padding rows to whole micro-batches
+                    micro_batch_size=None if cfg.trainer.max_tokens_per_microbatch else cfg.trainer.micro_batch_size,
                 )
                 staleness = staleness_metrics(batch, run.version)
                 learner_started = time.perf_counter()
