@@ -7,35 +7,41 @@ import subprocess
 import sys
 import time
 
-from megatron_rlvr.rewards.sandbox import SandboxPool
+from megatron_rlvr.rewards.sandbox import SandboxPool, _Worker
 
 NEVER_READY = "import time; time.sleep(600)"
-# says ready, then closes its end of the pipe the task comes through
-DIES_ON_WRITE = "import os, sys, time; print('{\"ready\": true}', flush=True); os.close(0); time.sleep(600)"
+# closes its end of the pipe the task comes through, then says ready: the parent's write of a
+# task fails every time (closing after "ready" raced the parent's write, which then landed in
+# the pipe and waited out the task's timeout instead)
+DIES_ON_WRITE = "import os, sys, time; os.close(0); print('{\"ready\": true}', flush=True); time.sleep(600)"
 
 
 class ScriptedPool(SandboxPool):
-    """Starts the given stand-in scripts first, then real workers."""
+    """Starts the given stand-in scripts first, then real workers. A stand-in that never says
+    ready is given up on after `stand_in_start_s`; real workers get the pool's own start bound
+    (importing sympy on a loaded 2-core machine can take longer than a stand-in's second)."""
 
-    def __init__(self, scripts: list[str], **kwargs):
-        super().__init__(num_workers=1, **kwargs)
+    def __init__(self, scripts: list[str], stand_in_start_s: float = 1.0):
+        super().__init__(num_workers=1)
         self.scripts = list(scripts)
+        self.stand_in_start_s = stand_in_start_s
         self.started = 0
 
-    def _start_process(self) -> subprocess.Popen:
+    def _spawn(self) -> _Worker:
         self.started += 1
-        if self.scripts:
-            return subprocess.Popen(
-                [sys.executable, "-c", self.scripts.pop(0)],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.DEVNULL,
-            )
-        return super()._start_process()
+        if not self.scripts:
+            return super()._spawn()
+        proc = subprocess.Popen(
+            [sys.executable, "-c", self.scripts.pop(0)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+        )
+        return _Worker(proc, start_deadline=time.monotonic() + self.stand_in_start_s)
 
 
 def test_a_worker_that_never_says_ready_is_replaced_within_the_start_bound():
-    pool = ScriptedPool([NEVER_READY], start_timeout_s=1.0)
+    pool = ScriptedPool([NEVER_READY])
     try:
         started = time.monotonic()
         verdicts = pool.compare([("3", "3"), ("1/2", "3/4")], timeout_s=10.0)
@@ -47,7 +53,7 @@ def test_a_worker_that_never_says_ready_is_replaced_within_the_start_bound():
 
 
 def test_workers_that_never_start_end_in_a_verdict_not_a_hang():
-    pool = ScriptedPool([NEVER_READY] * 3, start_timeout_s=0.5)
+    pool = ScriptedPool([NEVER_READY] * 3, stand_in_start_s=0.5)
     try:
         assert pool.compare([("3", "3")], timeout_s=10.0) == [(False, "sandbox_unavailable")]
     finally:
