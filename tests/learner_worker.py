@@ -434,13 +434,22 @@ def long_tailed_batch(vocab: int) -> TrainBatch:
 
 
 BUDGETED = ["trainer.max_tokens_per_microbatch=20", "trainer.max_tokens_per_logprob_microbatch=36"]
+# step-wide parts of the rollout correction, which no cut may change: weights normalised to a
+# batch mean of 1, and token rejection (about a quarter of the tokens) out of the normaliser
+STEP_WIDE_CORRECTION = [
+    "algo.rollout_correction.rollout_is_batch_normalize=true",
+    "algo.rollout_correction.rollout_rs=token_k2",
+    "algo.rollout_correction.rollout_rs_threshold=0.002",
+]
 
 
 def budget_equality(hf_dir: str, overrides: list[str]) -> dict:
     """Token-budget micro-batches (uneven cuts, different in the two passes, the two longest
     rows over the training budget) against one padded micro-batch per rank and mini-batch,
-    without replay, with R2 (routers perturbed between the passes) and with R3: logprobs,
-    entropy, loss, grad norm, and this rank's gradient buffers after the step."""
+    without replay, with R2 (routers perturbed between the passes) and with R3, with the
+    correction's step-wide parts on: logprobs, entropy, loss, grad norm, and this rank's
+    gradient buffers after the step."""
+    overrides = [*overrides, *STEP_WIDE_CORRECTION]
     return learner_equality(hf_dir, overrides, ("padded", ["trainer.micro_batch_size=8"]), ("budget", BUDGETED))
 
 

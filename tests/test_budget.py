@@ -70,10 +70,13 @@ def test_budgeted_step_equals_the_padded_step(layout, tiny_hf_dir, tmp_path):
         for mode, d in r.items():
             where = (layout, rank, mode)
             assert d["logprob_diff"] <= 1e-6, (where, d["logprob_diff"])  # relative, where |logprob| > 1
-            assert d["grad_diff"] <= 1e-6 and d["grad_scale"] > 1e-3, (where, d["grad_diff"], d["grad_scale"])
+            # fp32 gradients summed in another order: up to 1.3e-6 with R2's perturbed routers and a
+            # quarter of the tokens rejected (5e-7 without rejection), in every layout alike
+            assert d["grad_diff"] <= 2e-6 and d["grad_scale"] > 1e-2, (where, d["grad_diff"], d["grad_scale"])
             padded, budget = d["padded"], d["budget"]
             for key in ("policy_loss", "entropy", "grad_norm", "clipfrac", "ratio_mean", "rollout_is_mean"):
                 assert budget[key] == pytest.approx(padded[key], rel=1e-6, abs=1e-6), (where, key)
+            assert 0.05 < budget["rollout_rs_masked_fraction"] < 0.5, where  # rejection is on and bites
             if mode != "none":
                 assert min(d["checked"]) > 0 and d["mismatched"] == [0, 0], where
                 agreement = "routing_agreement_used" if mode == "r2" else "routing_agreement_engine_used"

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_rlvr.algo.corrections import RolloutCorrection, StaleNegativeCaps, rollout_correction
+from megatron_rlvr.algo.corrections import RolloutCorrection, StaleNegativeCaps, rollout_correction, step_correction
 from megatron_rlvr.algo.losses import policy_loss
 from megatron_rlvr.config import load_config
 from megatron_rlvr.config.rejection import parse_rejection
@@ -68,6 +68,53 @@ def test_equal_to_verl(record):
     )
     (grad,) = torch.autograd.grad(loss, logprobs)
     torch.testing.assert_close(loss, ref["loss"], **TOL)
+    torch.testing.assert_close(grad, ref["grad"], **TOL)
+
+
+STEP_WIDE = [
+    r
+    for r in FIXTURES["records"]
+    if not r["case"].get("bypass_mode")
+    and r["case"]["agg"] in ("token-mean", "seq-mean-token-mean")
+    and (r["case"].get("rollout_is_batch_normalize") or r["case"].get("rollout_rs"))
+]
+
+
+@pytest.mark.parametrize("record", STEP_WIDE, ids=lambda r: "-".join(str(v) for v in r["case"].values()))
+def test_any_cut_into_micro_batches_gives_verls_whole_batch_loss(record):
+    """Batch normalisation's mean and the rejected tokens are the whole batch's
+    (step_correction), so the loss summed over uneven cuts of the rows, each divided by the
+    step's count of kept tokens (or sequences), is verl's loss of the whole batch, and so is
+    the gradient."""
+    case, inputs, ref = record["case"], record["inputs"], record["verl"]
+    corr = _ours(case)
+    mask, adv = inputs["mask"], inputs["advantages"]
+    step = step_correction(inputs["old_logprobs"], inputs["rollout_logprobs"], adv, mask, corr)
+    assert step is not None and (step.batch_mean is not None) == corr.batch_normalize
+    kept = mask * step.keep
+    normalizer = kept.sum() if case["agg"] == "token-mean" else (kept.sum(-1) > 0).sum()
+    logprobs = inputs["logprobs"].clone().requires_grad_(True)
+    clip = FIXTURES["clip"]
+    total = torch.zeros((), dtype=torch.float64)
+    for rows in (slice(0, 1), slice(1, 4), slice(4, 6)):
+        part, _ = policy_loss(
+            logprobs[rows],
+            inputs["old_logprobs"][rows],
+            adv[rows],
+            mask[rows],
+            kind="grpo",
+            clip_low=clip["clip_ratio_low"],
+            clip_high=clip["clip_ratio_high"],
+            clip_ratio_c=clip["clip_ratio_c"],
+            agg=case["agg"],
+            agg_normalizer=normalizer,
+            rollout_logprobs=inputs["rollout_logprobs"][rows],
+            correction=corr,
+            correction_batch_mean=step.batch_mean,
+        )
+        total = total + part
+    (grad,) = torch.autograd.grad(total, logprobs)
+    torch.testing.assert_close(total, ref["loss"], **TOL)
     torch.testing.assert_close(grad, ref["grad"], **TOL)
 
 

@@ -32,7 +32,7 @@ Every function is pure; masked positions may hold garbage and never reach a valu
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -85,12 +85,28 @@ def raw_weights(log_ratio: torch.Tensor, mask: torch.Tensor, level: str) -> torc
     return _zeroed(weights, mask)
 
 
+def weights_mean(weights: torch.Tensor, mask: torch.Tensor, level: str | None) -> torch.Tensor:
+    """What batch normalisation divides by: the mean weight over tokens (token level) or over
+    non-empty sequences of their per-token mean (the sequence levels)."""
+    if level == "token":
+        return masked_mean(weights, mask)
+    lengths = mask.sum(dim=-1)
+    per_seq = weights.sum(dim=-1) / lengths.clamp(min=1)
+    return per_seq[lengths > 0].mean() if bool((lengths > 0).any()) else per_seq.sum()
+
+
 def bounded_weights(
-    raw: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor, corr: RolloutCorrection
+    raw: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    corr: RolloutCorrection,
+    batch_mean: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights, changed): TIS truncation, IcePop zeroing, or the stale-negative bounds, then
-    the optional batch normalisation to mean 1 (over tokens, or over sequences for the
-    sequence levels). `changed` marks tokens whose weight the bound altered."""
+    the optional batch normalisation to mean 1 (weights_mean). batch_mean: that mean taken
+    over the whole step's batch (step_correction), so that how the batch is cut into
+    micro-batches changes nothing; None: over these rows. `changed` marks tokens whose
+    weight the bound altered."""
     if corr.stale_negatives is not None:
         caps = corr.stale_negatives
         positive = advantages > 0
@@ -108,12 +124,7 @@ def bounded_weights(
     weights = _zeroed(weights, mask).detach()
     changed = changed & mask.bool()
     if corr.batch_normalize:
-        if corr.is_level == "token":
-            mean = masked_mean(weights, mask)
-        else:
-            lengths = mask.sum(dim=-1)
-            per_seq = weights.sum(dim=-1) / lengths.clamp(min=1)
-            mean = per_seq[lengths > 0].mean() if bool((lengths > 0).any()) else per_seq.sum()
+        mean = weights_mean(weights, mask, corr.is_level) if batch_mean is None else batch_mean
         if mean > 1e-8:
             weights = weights / mean
     return weights, changed
@@ -186,15 +197,50 @@ def rollout_correction(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     corr: RolloutCorrection,
+    batch_mean: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, torch.Tensor]]:
     """(weights [B, T] or None, the loss's new 0/1 mask, metrics) for w = target/rollout.
-    target: π_old, or in bypass mode the current policy (detached), as verl does."""
+    target: π_old, or in bypass mode the current policy (detached), as verl does.
+    batch_mean: see bounded_weights."""
     log_ratio = _zeroed(target_logprobs.detach() - rollout_logprobs, mask)
     advantages = advantages.expand_as(mask)
     weights = changed = None
     if corr.is_level is not None:
-        weights, changed = bounded_weights(raw_weights(log_ratio, mask, corr.is_level), advantages, mask, corr)
+        raw = raw_weights(log_ratio, mask, corr.is_level)
+        weights, changed = bounded_weights(raw, advantages, mask, corr, batch_mean)
     keep = rejection_keep(log_ratio, mask, corr.rejection) if corr.rejection else mask.clone()
     with torch.no_grad():
         metrics = correction_metrics(weights, changed, keep, advantages, mask)
     return weights, keep, metrics
+
+
+@dataclass(frozen=True)
+class StepCorrection:
+    """What a step's correction decides over its whole batch, before any cut into mini- or
+    micro-batches: the batch normalisation's mean (None: not normalising) and the tokens
+    rejection keeps (they alone count in the loss's normaliser, as verl removes rejected
+    tokens from response_mask before its update)."""
+
+    batch_mean: float | None
+    keep: torch.Tensor  # [B, T] 0/1, mask's dtype
+
+
+def step_correction(
+    old_logprobs: torch.Tensor,
+    rollout_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    corr: RolloutCorrection,
+) -> StepCorrection | None:
+    """The step-wide part of the correction; None in bypass mode, where the weights and the
+    rejection follow the current policy and are decided per micro-batch (as in verl)."""
+    if corr.bypass:
+        return None
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(-1)
+    unnormalised = replace(corr, batch_normalize=False)
+    weights, keep, _ = rollout_correction(old_logprobs, rollout_logprobs, advantages, mask, unnormalised)
+    batch_mean = None
+    if corr.batch_normalize and weights is not None:
+        batch_mean = float(weights_mean(weights, mask, corr.is_level))
+    return StepCorrection(batch_mean, keep)

@@ -109,6 +109,7 @@ def policy_loss(
     agg_normalizer: float | torch.Tensor | None = None,
     rollout_logprobs: torch.Tensor | None = None,
     correction: RolloutCorrection | None = None,
+    correction_batch_mean: float | None = None,
     rec: RecOptions | None = None,
     opmd_tau: float = 1.0,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -121,7 +122,9 @@ def policy_loss(
     aggregated, divided by 1 + opmd_tau (they differ in their advantages, algo/baselines.py).
 
     Rollout correction (rollout_logprobs and `correction` both given, algo/corrections.py):
-    the per-token loss is multiplied by the IS weights and rejected tokens leave the mask. In
+    the per-token loss is multiplied by the IS weights and rejected tokens leave the mask;
+    correction_batch_mean: the step-wide mean that batch normalisation divides by
+    (corrections.step_correction; None: this call's own). In
     bypass mode the rollout logprobs are the old ones; with bypass_loss "ppo_clip" the ratio
     π/μ already carries the correction (no weights), with "reinforce" the loss is
     −w·A·log π, w from the current policy (detached), whatever `kind` is.
@@ -159,7 +162,9 @@ def policy_loss(
     reinforce = False
     if correction is not None and rollout_logprobs is not None:
         target = logprobs if correction.bypass else old_logprobs
-        weights, loss_mask, corr_metrics = rollout_correction(target, rollout_logprobs, advantages, mask, correction)
+        weights, loss_mask, corr_metrics = rollout_correction(
+            target, rollout_logprobs, advantages, mask, correction, correction_batch_mean
+        )
         metrics.update(corr_metrics)
         if correction.bypass:
             old_logprobs = rollout_logprobs

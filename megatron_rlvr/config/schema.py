@@ -67,7 +67,8 @@ class RolloutCorrectionConfig(Section):
         "'lower_upper' string); 0 zeroes only those above upper (AReaL's behav_imp_weight_cap); None: TIS",
     )
     rollout_is_batch_normalize: bool = Field(
-        False, description="divide the weights by their mean (per micro-batch) so they average 1"
+        False,
+        description="divide the weights by their mean over the step's whole batch so they average 1 (bypass mode: per micro-batch)",
     )
     rollout_rs: str | None = Field(
         None,

@@ -109,10 +109,17 @@ def forward_logprobs(
 
 def step_normalizer(batch: TrainBatch, agg: str) -> float:
     """The global count a mini-batch's loss divides by, known before the micro-batch loop:
-    response tokens (token-mean) or non-empty sequences (the sequence means)."""
+    response tokens (token-mean) or non-empty sequences (the sequence means), of those the
+    step's rollout rejection keeps."""
+    mask = loss_tokens(batch)
     if agg == "token-mean":
-        return float(batch.response_mask.sum())
-    return float((batch.response_mask.sum(-1) > 0).sum())
+        return float(mask.sum())
+    return float((mask.sum(-1) > 0).sum())
+
+
+def loss_tokens(batch: TrainBatch) -> torch.Tensor:
+    """The response tokens that enter the loss: the response mask less rejected tokens."""
+    return batch.response_mask if batch.kept is None else batch.response_mask * batch.kept.to(batch.response_mask)
 
 
 def train_minibatch(
@@ -123,6 +130,7 @@ def train_minibatch(
     normalizer: float,
     sum_norm_divisor: float,
     temperature: float,
+    correction_batch_mean: float | None = None,
     hooks: MicroBatchHooks | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """Forward+backward of one mini-batch's micro-batches; gradients accumulate in the DDP
@@ -151,13 +159,15 @@ def train_minibatch(
             mask,
             agg_normalizer=agg_normalizer,
             rollout_logprobs=rollout,
+            correction_batch_mean=correction_batch_mean,
             **options,
         )
+        kept = loss_tokens(mb).to(device)
         if algo.entropy_coef:  # a bonus: higher entropy lowers the loss, against collapse
-            loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, mask, agg_normalizer)
+            loss = loss - algo.entropy_coef * AGGREGATIONS[algo.agg](entropy, kept, agg_normalizer)
         metrics["entropy"] = masked_mean(entropy.detach(), mask)
         if algo.agg == "seq-mean-token-sum-norm":  # its mean over sequences is per call
-            local_seqs = (mask.sum(-1) > 0).sum().clamp(min=1)
+            local_seqs = (kept.sum(-1) > 0).sum().clamp(min=1)
             loss = loss * local_seqs / max(normalizer, 1.0)
         metrics["policy_loss"] = loss.detach()
         metrics["tokens"] = mask.sum().detach()

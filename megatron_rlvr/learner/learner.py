@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from megatron_rlvr.algo.corrections import StepCorrection, step_correction
+from megatron_rlvr.algo.from_config import rollout_correction_of
 from megatron_rlvr.config import ConfigError, HFModel, ResolvedConfig
 from megatron_rlvr.learner import model as model_lib
 from megatron_rlvr.learner.batch import (
@@ -275,6 +278,9 @@ class Learner:
             chunk.train()
         per_mini = self.cfg.algo.num_minibatches
         per_rank = self._rows_per_rank(batch.size, per_mini)
+        correction = self._step_correction(batch)
+        if correction is not None:
+            batch = replace(batch, kept=correction.keep)
         full_minis = [
             batch.select(torch.arange(k * batch.size // per_mini, (k + 1) * batch.size // per_mini))
             for k in range(per_mini)
@@ -295,6 +301,7 @@ class Learner:
                 normalizer=step_normalizer(full, self.cfg.algo.agg),
                 sum_norm_divisor=float(self.cfg.rollout.max_new_tokens),
                 temperature=self.cfg.rollout.temperature,
+                correction_batch_mean=correction.batch_mean if correction is not None else None,
                 hooks=hooks,
             )
             if self.replay is not None:
@@ -313,6 +320,16 @@ class Learner:
             metrics.update(self.replay.take_agreement("routing_agreement"))
             metrics.update(self._engine_agreement)
         return metrics
+
+    def _step_correction(self, batch: TrainBatch) -> StepCorrection | None:
+        """The rollout correction's step-wide part (batch normalisation's mean, the rejected
+        tokens), decided over the whole batch on every rank alike, so no cut changes it."""
+        correction = rollout_correction_of(self.cfg.algo)
+        if batch.rollout_logprobs is None or batch.old_logprobs is None or batch.advantages is None:
+            return None
+        return step_correction(
+            batch.old_logprobs, batch.rollout_logprobs, batch.advantages, batch.response_mask, correction
+        )
 
     def sft_step(self, micro: list[TrainBatch], *, train: bool = True) -> dict[str, float]:
         """One supervised step over a step's micro-batches (the same list on every rank):
