@@ -4,6 +4,7 @@ changes nothing, the same request with it is served; /health needs no key (as in
 
 import asyncio
 import secrets
+import time
 
 import httpx
 import pytest
@@ -86,3 +87,30 @@ def test_a_weight_update_without_the_key_is_refused_and_with_it_applied(keyed, t
     report = asyncio.run(sync())
     assert report.engine_version == 1 and torch.equal(weight(server.url, key), new)
     assert key not in server.log_path.read_text()
+
+
+def test_a_sync_to_an_engine_that_refuses_the_key_ends_at_once_naming_it(keyed):
+    """A 401 is an answer, not silence: the syncer's survey of the engines stops with the
+    engine's refusal instead of waiting out its bound for an engine to come back."""
+    from megatron_rlvr.weight_sync.syncer import WeightSyncError
+
+    server, key = keyed
+
+    async def sync_with_the_wrong_key():
+        client = EngineClient(server.url, api_key=key)
+        syncer = WeightSyncer([client], WeightSyncConfig(bucket_mb=0.05), group_name="auth_wrong", checksums=True)
+        stranger = EngineClient(server.url, api_key="not-the-key")  # as if the port now served another run
+        try:
+            await syncer.connect()
+            syncer.clients = [stranger]
+            return await syncer.sync([(NAME, torch.zeros(4))], syncer.version + 1)
+        finally:
+            syncer.clients = [client]
+            await syncer.close()
+            await client.close()
+            await stranger.close()
+
+    started = time.monotonic()
+    with pytest.raises(WeightSyncError, match=f"refused.*{server.url}.*401.*API key"):
+        asyncio.run(sync_with_the_wrong_key())
+    assert time.monotonic() - started < 30  # the survey's bound is 300 s

@@ -69,7 +69,9 @@ class EngineClient:
                     self.failures, self.healthy = 0, True
                     return _body(response)
                 if response.status_code < 500:
-                    raise EngineRequestError(f"{self.base_url}{path}: {_message(response)}")
+                    raise EngineRequestError(
+                        f"{self.base_url}{path}: HTTP {response.status_code}: {_message(response)}"
+                    )
                 last = RuntimeError(f"HTTP {response.status_code}: {_message(response)}")
             if attempt + 1 < attempts:
                 await asyncio.sleep(self.backoff_s * 2**attempt)

@@ -38,7 +38,7 @@ from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
-from megatron_rlvr.rollout.client import EngineClient
+from megatron_rlvr.rollout.client import EngineClient, EngineRequestError
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
 from megatron_rlvr.weight_sync.transport import (
     abort_group,
@@ -150,10 +150,15 @@ class WeightSyncer:
 
     async def _survey(self, wait_s: float) -> dict[int, str]:
         """The weight version of every engine that answers; with none answering (all
-        restarting, or a loaded machine), waits up to wait_s."""
+        restarting, or a loaded machine), waits up to wait_s. An engine that refuses the
+        question (HTTP 4xx: another run's engine, or a wrong API key) ends the sync at once:
+        waiting would not change its answer."""
         deadline = time.monotonic() + wait_s
         while True:
             infos = await asyncio.gather(*(c.model_info(retries=0) for c in self.clients), return_exceptions=True)
+            refused = [str(info) for info in infos if isinstance(info, EngineRequestError)]
+            if refused:
+                raise WeightSyncError(f"an engine refused the run's request: {refused[0]}")
             held = {i: info["weight_version"] for i, info in enumerate(infos) if isinstance(info, dict)}
             if held or time.monotonic() > deadline:
                 return held
