@@ -280,13 +280,21 @@ class Run:
                 f"at step {state['step']} (remove it to resume from an older one, or set trainer.resume=false)"
             )
 
-        async def restore() -> None:
-            self.sampler.load_state(state["sampler"])
+        async def restore() -> int:
+            cut_off = self.sampler.load_state(state["sampler"])
             self.ema_baselines = EmaBaselines.from_dict(state.get("ema_baselines", {"values": {}}))
             await self.buffer.load_state(state["buffer"])
             self.manager.stats.update(state["manager"])
+            return cut_off
 
-        self.rollout.run(restore())
+        cut_off = self.rollout.run(restore())
+        if cut_off:
+            log.info(
+                "%d groups were still generating when step %d's checkpoint was taken: their prompts are "
+                "generated again first (partial responses are not saved)",
+                cut_off,
+                step,
+            )
         if state.get("next_batch") is not None:
             self.pending = concurrent.futures.Future()
             self.pending.set_result(state["next_batch"])

@@ -121,6 +121,44 @@ def test_in_flight_sampling_keeps_generating_between_fills_and_loses_no_group(en
     asyncio.run(go())
 
 
+def test_groups_cut_off_in_flight_by_a_checkpoint_are_generated_again_first_on_resume(engine):
+    """A checkpoint cannot hold half-made groups: it records their prompts, and the resumed
+    sampler submits those before any other, in their order (nothing is lost silently)."""
+
+    async def score(responses, record):
+        return [float(i % 2) for i in range(len(responses))]  # every group useful
+
+    def sampler_for(manager, in_flight):
+        return ActiveSampler(
+            manager,
+            Buffer(max_staleness=5),
+            PROMPTS,
+            encode=lambda record: [1, 5 + int(record.prompt)],
+            decode=lambda ids: "",
+            score=score,
+            in_flight=in_flight,
+        )
+
+    async def go():
+        client = EngineClient(engine.url)
+        manager = RolloutManager([client], p.SamplingParams(max_new_tokens=16, n=2, ignore_eos=True))
+        try:
+            before = sampler_for(manager, in_flight=True)
+            taken = await before.fill(2, policy_version=0)  # 4 submitted at the cold start's useful fraction
+            state = before.state()  # as finish_step takes it, with the other 2 still generating
+            await before.stop_generating()
+            cut_off = state["in_flight"]
+            assert len(cut_off) == 2 and not set(cut_off) & {g.prompt_id for g in taken}
+            resumed = sampler_for(manager, in_flight=False)
+            assert resumed.load_state(state) == 2
+            again = await resumed.fill(2, policy_version=1, drain=True)
+            assert [g.prompt_id for g in again] == cut_off
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [

@@ -84,6 +84,7 @@ class ActiveSampler:
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
         self._pending: deque[str] = deque()  # group ids in flight, in submission order
+        self._prompt_of: dict[str, str] = {}  # a group in flight → its prompt id
         self._finished: dict[str, Group] = {}  # finished ahead of their turn
         self.submitted = 0
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
@@ -122,7 +123,9 @@ class ActiveSampler:
         while len(self._pending) < target:
             record = self._next_prompt()
             seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
-            self._pending.append(self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed)))
+            group_id = self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed))
+            self._pending.append(group_id)
+            self._prompt_of[group_id] = record.prompt_id
             self.submitted += 1
             self._generated += 1
 
@@ -132,6 +135,7 @@ class ActiveSampler:
             group = await self.manager.next_group()
             self._finished[group.group_id] = group
         self._pending.popleft()
+        self._prompt_of.pop(head, None)
         return self._finished.pop(head)
 
     async def _next_finished(self) -> Group:
@@ -140,6 +144,7 @@ class ActiveSampler:
             return await self._next_in_order()
         group = await self.manager.next_group()
         self._pending.remove(group.group_id)
+        self._prompt_of.pop(group.group_id, None)
         return group
 
     async def _keep_busy(self, batch_groups: int, policy_version: int) -> None:
@@ -239,19 +244,23 @@ class ActiveSampler:
 
     def state(self) -> dict:
         """What a resumed run needs to submit the same groups next. Exact between drained
-        steps; groups in flight (async and in-flight runs) are not part of it: a resumed run
-        does not regenerate them, their prompts come round again in the next pass."""
+        steps. Groups still generating (async and in-flight runs) cannot be saved half-made:
+        their prompts are recorded, and a resumed run generates them again first."""
         return {
             "rng": self._rng.getstate(),
             "order": [r.prompt_id for r in self._order],
+            "in_flight": [self._prompt_of[group_id] for group_id in self._pending],
             "recent": list(self._recent),
             "submitted": self.submitted,
             "short_batches": self.short_batches,
             "history": self.history.state(),
         }
 
-    def load_state(self, state: dict) -> None:
-        unknown = [i for i in state["order"] if i not in self._by_id]
+    def load_state(self, state: dict) -> int:
+        """Restores `state`; returns how many groups were still generating when it was taken
+        (their prompts are drawn again before any other)."""
+        in_flight = state.get("in_flight", [])
+        unknown = [i for i in [*state["order"], *in_flight] if i not in self._by_id]
         if unknown:  # other data, or ids of an older form (several files with one name shared one id)
             raise SamplerStateMismatch(
                 f"the checkpoint's sampler state names {len(unknown)} prompt ids this run's data does not "
@@ -259,9 +268,11 @@ class ActiveSampler:
                 "trainer.resume=false)"
             )
         self._rng.setstate(state["rng"])
-        self._order = [self._by_id[i] for i in state["order"]]
+        # _draw pops from the end: the prompts cut off in flight are drawn first, in submission order
+        self._order = [self._by_id[i] for i in [*state["order"], *reversed(in_flight)]]
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
         self.submitted = state["submitted"]
         self.short_batches = state.get("short_batches", 0)
         if "history" in state:
             self.history.load_state(state["history"])
+        return len(in_flight)
