@@ -14,7 +14,7 @@ tail is the task's: the number of subtraction steps is drawn from P(k) ∝ k^-1.
 default) to 40. A batch is --batch rows at evenly spaced quantiles of 4096 of the task's problems
 (its length distribution without sampling noise), in shuffled row order.
 
-    nice -n 5 .venv/bin/python benchmarks/packing.py [--steps 9] [--batch 32]
+    nice -n 5 .venv/bin/python benchmarks/packing.py --steps 9 --batch 32   # docs/batching.md: 4-5 minutes on 2 cores
 """
 
 from __future__ import annotations
