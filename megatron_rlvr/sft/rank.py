@@ -10,7 +10,9 @@ from megatron_rlvr.learner.batch import TrainBatch
 
 
 class SftRank(LearnerRank):
-    def setup(self, master: tuple[str, int], engine_urls: list[str], api_key: str | None = None) -> int | None:
+    def setup(
+        self, master: tuple[str, int], engine_urls: list[str] | None = None, api_key: str | None = None
+    ) -> int | None:
         """Joins the world and builds this rank's model shard."""
         from megatron_rlvr.learner.learner import Learner
         from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
