@@ -1,6 +1,7 @@
 """The long-answer demo end to end: `megatron-rlvr sft` makes the cold start, `megatron-rlvr
 train` starts from its export (the first weight sync's parity probe passes), and GRPO raises
-held-out pass@1. Both are slow: the first is a minute or two, the second the demo itself."""
+held-out pass@1. The chain is slow (a minute or two), the demo itself slower; a two-step
+`sft` runs in the default tier."""
 
 import json
 import subprocess
@@ -25,6 +26,26 @@ def command(name: str, config: Path, *overrides: str, timeout_s: int) -> list[di
     assert done.returncode == 0, done.stderr[-4000:]
     out = next(o.split("=", 1)[1] for o in overrides if o.startswith("trainer.output_dir="))
     return [json.loads(line) for line in (Path(out) / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_sft_command_trains_evaluates_and_exports(tmp_path):
+    """The README's cold-start command, cut to 2 small steps (default tier: a signature change
+    once broke every `megatron-rlvr sft` run while only slow tests ran the command)."""
+    sft = command(
+        "sft",
+        SFT,
+        f"trainer.output_dir={tmp_path}",
+        "trainer.steps=2",
+        "trainer.warmup_steps=1",
+        "sft.batch_tokens=2048",
+        "eval.max_prompts=1",
+        timeout_s=600,
+    )
+    assert sft[0]["step"] == 0 and [m["step"] for m in sft if "train/sft_loss" in m] == [1, 2]
+    final = {k: v for m in sft if m["step"] == 2 for k, v in m.items()}
+    assert final["heldout/sft_loss"] < sft[0]["heldout/sft_loss"]  # it learned
+    assert final["eval/heldout/prompts"] == 1 and final["eval/heldout/failed"] == 0
+    assert (tmp_path / "hf" / "config.json").exists() and list((tmp_path / "hf").glob("*.safetensors"))
 
 
 @pytest.mark.slow
