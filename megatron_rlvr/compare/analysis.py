@@ -1,6 +1,6 @@
 """From the runs' metrics.jsonl to numbers: per-run summaries (mean over all steps, first and
-last window), seeds aggregated as mean ± std, and the stability verdict per algorithm and
-off-policy degree. Plain Python, no torch: it can run on a laptop over copied-back runs.
+last window), seeds aggregated as mean ± std, and the stability verdict per algorithm,
+off-policy degree and --vary variant. Plain Python, no torch: it can run on a laptop over copied-back runs.
 
 The verdict rule is explicit so that the report can state it and a reader can check it:
   1. a run is disqualified by a reward collapse (its last-window reward more than
@@ -19,6 +19,8 @@ import json
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from megatron_rlvr.compare.variants import NO_VARIANT, Variant
 
 COLLAPSE = 0.1
 SPIKE = 5.0
@@ -52,9 +54,16 @@ class Combo:
     algo: str
     off_policy: int
     mode: str
+    variant: Variant = NO_VARIANT
+
+    @property
+    def group(self) -> tuple[str, int, Variant]:
+        """What a verdict holds fixed while it compares modes: algorithm, degree and variant."""
+        return self.algo, self.off_policy, self.variant
 
     def label(self) -> str:
-        return f"{self.algo} {self.off_policy}× {self.mode}"
+        varied = f" ({self.variant.label})" if self.variant.settings else ""
+        return f"{self.algo} {self.off_policy}× {self.mode}{varied}"
 
 
 @dataclass
