@@ -215,8 +215,8 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
 
 
 def side_by_side(stabilities: list[an.Stability], seeds: int) -> tuple:
-    """One row per combination with the numbers the rule reads, so that variants (a correction,
-    a baseline) compare across groups, not only the modes within one."""
+    """One row per combination with the numbers the rule reads, in the groups' order, so that
+    variants (a correction, a baseline) compare across groups, not only the modes within one."""
     rows = [
         [
             s.combo.label(),
@@ -226,7 +226,7 @@ def side_by_side(stabilities: list[an.Stability], seeds: int) -> tuple:
             f"{s.mismatch_last:.1e}",
             _pct(s.natural_agreement),
         ]
-        for s in stabilities
+        for s in sorted(stabilities, key=lambda s: (s.combo.group, s.combo.mode))
     ]
     head = [
         "combination",
