@@ -61,7 +61,7 @@ def add_parser(sub) -> None:
     cmd.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     cmd.set_defaults(takes_overrides=True)
     cmd.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="default: none,r2,r3")
-    cmd.add_argument("--algos", type=_choices(ALGOS), help="grpo,gspo; default: the config's algo.kind")
+    cmd.add_argument("--algos", type=_choices(ALGOS), help=f"{','.join(ALGOS)}; default: the config's algo.kind")
     cmd.add_argument(
         "--off-policy",
         type=_degrees,
