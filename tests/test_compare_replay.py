@@ -364,7 +364,7 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     assert "[1/2] grpo-k1-none-s0" in done.stderr and "[2/2] grpo-k1-r3-s0" in done.stderr  # progress
     assert "At 1× off-policy (grpo)" in done.stdout and "most stable" in done.stdout
     table = (out / "table.csv").read_text().splitlines()
-    assert table[0] == "algo,off_policy,mode,seeds,metric,mean,mean_std,last,last_std"
+    assert table[0] == "algo,off_policy,variant,mode,seeds,metric,mean,mean_std,last,last_std"
     for metric in (
         "reward/mean",
         "train/policy_loss",
@@ -373,6 +373,7 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
         "train/mismatch_abs_mean",
         "train/mismatch_abs_max",
         "train/mismatch_k3_kl",
+        "train/rollout_is_mean",
         "train/routing_agreement_engine",
         "train/routing_agreement_engine/layer1",
         "train/grad_norm",
