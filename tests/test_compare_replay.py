@@ -149,6 +149,22 @@ def write_finished(plans, mismatch=lambda plan: 1e-5, reward=lambda plan, s: 0.5
         plan.mark_done()
 
 
+def planned(args, out: Path, steps: int = 3):
+    """The runs compare-replay plans from its parsed arguments, on the preset at grpo 1×."""
+    return plan_runs(
+        str(PRESET),
+        [],
+        load_config(PRESET),
+        modes=args.modes,
+        algos=["grpo"],
+        off_policy=[1],
+        varied=args.vary,
+        steps=steps,
+        seeds=1,
+        out=out,
+    )
+
+
 def test_a_vary_grid_is_every_combination_of_its_values_in_each_runs_config(tmp_path):
     args = cli.parse_args(
         [
@@ -162,10 +178,7 @@ def test_a_vary_grid_is_every_combination_of_its_values_in_each_runs_config(tmp_
             f"{LOWER}=null,0.5",
         ]
     )
-    plans = plan_runs(
-        str(PRESET), [], load_config(PRESET), modes=args.modes, algos=["grpo"], off_policy=[1],
-        varied=args.vary, steps=3, seeds=1, out=tmp_path,
-    )  # fmt: skip
+    plans = planned(args, tmp_path)
     assert [p.name for p in plans] == [
         f"grpo-k1-rollout_correction.rollout_is={rs}+rollout_correction.rollout_is_threshold_lower={lower}-{mode}-s0"
         for rs in ("token", "null")
@@ -186,10 +199,10 @@ def test_a_vary_grid_is_every_combination_of_its_values_in_each_runs_config(tmp_
         assert cfg.algo.routing_replay == plan.combo.mode and cfg.trainer.output_dir == str(plan.dir)
     assert f"# compare-replay --vary {RS}=token,null\n" in (tmp_path / "comparison.yaml").read_text()
     with pytest.raises(CompareError, match=r"holds runs of another --vary \(see .*comparison.yaml\)"):
-        plan_runs(
-            str(PRESET), [], load_config(PRESET), modes=args.modes, algos=["grpo"], off_policy=[1],
-            varied=args.vary[:1], steps=3, seeds=1, out=tmp_path,
-        )  # fmt: skip
+        planned(
+            cli.parse_args(["compare-replay", str(PRESET), "--modes", "none,r3", "--vary", f"{RS}=token,null"]),
+            tmp_path,
+        )
 
 
 @pytest.mark.parametrize(
@@ -233,10 +246,7 @@ def test_a_vary_comparison_run_again_skips_its_finished_runs_and_reports_by_vari
     out = tmp_path / "out"
     argv = ["compare-replay", str(PRESET), "--modes", "none,r3", "--steps", "5", "--out", str(out)]
     args = cli.parse_args([*argv, "--vary", f"{RS}=token,null"])
-    plans = plan_runs(
-        str(PRESET), [], load_config(PRESET), modes=args.modes, algos=["grpo"], off_policy=[1],
-        varied=args.vary, steps=5, seeds=1, out=out,
-    )  # fmt: skip
+    plans = planned(args, out, steps=5)
     # without weights, r3 drifts; with them, reward collapses under none
     write_finished(
         plans,
