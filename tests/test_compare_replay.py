@@ -1,5 +1,6 @@
-"""`megatron-rlvr compare-replay`: the stability rule and the report on made-up metrics, the
-Slurm path through stand-in sbatch/scontrol, and real comparisons on the CPU preset: outputs,
+"""`megatron-rlvr compare-replay`: the stability rule and the report on made-up metrics, --vary
+grids planned, refused, resumed and reported without training, the Slurm path through stand-in
+sbatch/scontrol, and real comparisons on the CPU preset: outputs,
 routing agreement (R3 uses the engine's routing; bf16 engine vs fp32 learner route apart),
 resuming an interrupted comparison, and determinism."""
 
@@ -16,8 +17,14 @@ import psutil
 import pytest
 from PIL import Image
 
+from megatron_rlvr import cli
 from megatron_rlvr.compare import analysis as an
+from megatron_rlvr.compare import command
+from megatron_rlvr.compare.plan import CompareError, plan_runs
 from megatron_rlvr.compare.report import write_report
+from megatron_rlvr.compare.variants import Variant
+from megatron_rlvr.config import load_config
+from megatron_rlvr.errors import UserError
 
 REPO = Path(__file__).resolve().parents[1]
 PRESET = REPO / "configs" / "compare-replay-cpu.yaml"
@@ -107,8 +114,8 @@ def test_seeds_aggregate_as_mean_and_std(tmp_path):
     ]
     write_report(tmp_path, results, ["setup"], 10, seeds=2)
     table = [line.split(",") for line in (tmp_path / "table.csv").read_text().splitlines()]
-    mismatch = next(row for row in table if row[4] == "train/mismatch_k3_kl")
-    assert float(mismatch[5]) == pytest.approx(1.5e-5) and float(mismatch[6]) == pytest.approx(7.071e-6, rel=1e-3)
+    mismatch = next(row for row in table if row[5] == "train/mismatch_k3_kl")
+    assert float(mismatch[6]) == pytest.approx(1.5e-5) and float(mismatch[7]) == pytest.approx(7.071e-6, rel=1e-3)
     assert "1.50e-05 ± 7.07e-06" in (tmp_path / "table.md").read_text()
 
 
@@ -129,6 +136,168 @@ def test_bad_arguments_and_configs_are_one_line_errors(tmp_path):
     assert "config error: run grpo-k3-none-s0: algo.num_minibatches = 3" in done.stderr
 
 
+# ----------------------------------------------------------------------------- --vary
+RS = "algo.rollout_correction.rollout_is"
+LOWER = "algo.rollout_correction.rollout_is_threshold_lower"
+
+
+def write_finished(plans, mismatch=lambda plan: 1e-5, reward=lambda plan, s: 0.5):
+    """What finished runs leave: every step in metrics.jsonl and the DONE marker."""
+    for plan in plans:
+        lines = rows(plan.steps, mismatch=lambda s, p=plan: mismatch(p), reward=lambda s, p=plan: reward(p, s))
+        (plan.dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+        plan.mark_done()
+
+
+def planned(args, out: Path, steps: int = 3):
+    """The runs compare-replay plans from its parsed arguments, on the preset at grpo 1×."""
+    return plan_runs(
+        str(PRESET),
+        [],
+        load_config(PRESET),
+        modes=args.modes,
+        algos=["grpo"],
+        off_policy=[1],
+        varied=args.vary,
+        steps=steps,
+        seeds=1,
+        out=out,
+    )
+
+
+def test_a_vary_grid_is_every_combination_of_its_values_in_each_runs_config(tmp_path):
+    args = cli.parse_args(
+        [
+            "compare-replay",
+            str(PRESET),
+            "--modes",
+            "none,r3",
+            "--vary",
+            f"{RS}=token,null",
+            "--vary",
+            f"{LOWER}=null,0.5",
+        ]
+    )
+    plans = planned(args, tmp_path)
+    assert [p.name for p in plans] == [
+        f"grpo-k1-rollout_correction.rollout_is={rs}+rollout_correction.rollout_is_threshold_lower={lower}-{mode}-s0"
+        for rs in ("token", "null")
+        for lower in ("null", "0.5")
+        for mode in ("none", "r3")
+    ]
+    last = plans[-1]
+    assert (
+        last.combo.variant.label
+        == "rollout_correction.rollout_is=null, rollout_correction.rollout_is_threshold_lower=0.5"
+    )
+    assert last.combo.label() == f"grpo 1× r3 ({last.combo.variant.label})"
+    for plan in plans:
+        cfg = load_config(plan.config)
+        settings = dict(plan.combo.variant.settings)
+        assert cfg.algo.rollout_correction.rollout_is == {"token": "token", "null": None}[settings[RS]]
+        assert cfg.algo.rollout_correction.rollout_is_threshold_lower == {"null": None, "0.5": 0.5}[settings[LOWER]]
+        assert cfg.algo.routing_replay == plan.combo.mode and cfg.trainer.output_dir == str(plan.dir)
+    assert f"# compare-replay --vary {RS}=token,null\n" in (tmp_path / "comparison.yaml").read_text()
+    with pytest.raises(CompareError, match=r"holds runs of another --vary \(see .*comparison.yaml\)"):
+        planned(
+            cli.parse_args(["compare-replay", str(PRESET), "--modes", "none,r3", "--vary", f"{RS}=token,null"]),
+            tmp_path,
+        )
+
+
+@pytest.mark.parametrize(
+    "vary, says",
+    [
+        ("trainer.lr=1e-3,3e-3", "argument --vary: 'trainer.lr=1e-3,3e-3': trainer.lr is not an algo setting"),
+        ("algo.num_minibatches=1,2", "'algo.num_minibatches=1,2': algo.num_minibatches is swept by --off-policy"),
+        (f"{RS}=token,[1]", f"'{RS}=token,[1]': values are comma-separated YAML scalars"),
+        (f"{RS}=", f"'{RS}=': expected algo.KEY=VALUE,VALUE,..."),
+        (f"{LOWER}=a b,a/b", "values a b and a/b would name the same run folder"),
+    ],
+)  # fmt: skip
+def test_the_parser_refuses_a_vary_outside_algo_or_not_a_list_of_values(vary, says, capsys):
+    with pytest.raises(SystemExit) as exit:
+        cli.parse_args(["compare-replay", str(PRESET), "--vary", vary])
+    assert exit.value.code == 2 and says in capsys.readouterr().err.splitlines()[-1]
+
+
+@pytest.mark.parametrize(
+    "varies, says",
+    [
+        ([f"{RS}=token,tokn"], f"config error: run grpo-k1-rollout_correction.rollout_is=tokn-none-s0: {RS} = 'tokn': Input"),
+        (["algo.rollout_correction.rollout_iss=token"], "algo.rollout_correction.rollout_iss: unknown field (did you mean rollout_is?)"),
+        (["algo.stale_negatives.enabled=true"], "-none-s0: algo.stale_negatives.enabled = true: needs algo.rollout_correction.rollout_is"),
+        ([f"{RS}=token", f"{RS}=null"], f"megatron-rlvr compare-replay: --vary {RS} is given twice; put all its values in one --vary"),
+    ],
+)  # fmt: skip
+def test_a_vary_the_schema_refuses_is_one_line_naming_its_run_before_any_run_starts(varies, says, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["compare-replay", str(PRESET), f"{RS}=null", "--modes", "none", "--out", str(out)]
+    args = cli.parse_args([*argv, *[word for vary in varies for word in ("--vary", vary)]])
+    with pytest.raises(UserError) as err:
+        command.main(args)
+    assert err.value.report("compare-replay") == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and says in lines[0], lines
+    assert not (out / "comparison.yaml").exists()  # so the corrected command is not "another comparison"
+
+
+def test_a_vary_comparison_run_again_skips_its_finished_runs_and_reports_by_variant(tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["compare-replay", str(PRESET), "--modes", "none,r3", "--steps", "5", "--out", str(out)]
+    args = cli.parse_args([*argv, "--vary", f"{RS}=token,null"])
+    plans = planned(args, out, steps=5)
+    # without weights, r3 drifts; with them, reward collapses under none
+    write_finished(
+        plans,
+        mismatch=lambda p: 2e-5 if p.combo.mode == "r3" else 4e-5,
+        reward=lambda p, s: 0.2
+        if (p.combo.mode, dict(p.combo.variant.settings)[RS], s) == ("none", "null", 5)
+        else 0.5,
+    )
+    done_at = {p.name: (p.dir / "DONE").stat().st_mtime_ns for p in plans}
+    assert command.main(args) == 0
+    captured = capsys.readouterr()
+    assert "4 runs of 5 steps; 4 finished earlier, 0 to run" in captured.err
+    assert {p.name: (p.dir / "DONE").stat().st_mtime_ns for p in plans} == done_at
+    token, null = captured.out.splitlines()[:2]
+    assert token.startswith("At 1× off-policy (grpo, rollout_correction.rollout_is=token), r3 was most stable")
+    assert null.startswith("At 1× off-policy (grpo, rollout_correction.rollout_is=null), r3 was most stable")
+    assert "none: reward collapsed in 1 seed(s) (0.5 → 0.2)" in null and "collapsed" not in token
+    report = (out / "report.md").read_text()
+    assert "and in `algo.rollout_correction.rollout_is` (token, null) (--vary: every combination)." in report
+    assert "### grpo, 1× off-policy, rollout_correction.rollout_is=null (mean over the run / last window)" in report
+    assert "| grpo 1× none (rollout_correction.rollout_is=null) | 0.5 → 0.2 | 1 of 1 | 0 | 4.0e-05 | 97.0% |" in report
+    table = (out / "table.csv").read_text().splitlines()
+    assert table[0].startswith("algo,off_policy,variant,mode,")
+    assert any(row.startswith("grpo,1,rollout_correction.rollout_is=null,r3,1,reward/mean,") for row in table)
+    with pytest.raises(CompareError, match="holds runs of another --vary"):
+        command.main(cli.parse_args([*argv, "--vary", f"{RS}=token,null,sequence"]))
+
+
+def test_a_group_of_one_mode_says_so_and_sits_side_by_side_with_the_others(tmp_path):
+    tis, icepop = Variant(0, ((LOWER, "null"),)), Variant(1, ((LOWER, "0.5"),))
+    results = [
+        an.RunResult(an.Combo("grpo", 4, "none", icepop), 0, rows(10, mismatch=lambda s: 1e-5)),
+        an.RunResult(
+            an.Combo("grpo", 4, "none", tis),
+            0,
+            rows(10, mismatch=lambda s: 3e-5, grad=lambda s: 50.0 if s == 8 else 1.0),
+        ),
+    ]
+    verdicts = write_report(tmp_path, results, ["setup"], 10, seeds=1)
+    assert verdicts[0].startswith(
+        "At 4× off-policy (grpo, rollout_correction.rollout_is_threshold_lower=null), only none ran: over 10 steps"
+    )
+    assert "none: 1 grad-norm spike(s), up to 50× its median." in verdicts[0]
+    assert "disqualified" not in verdicts[0]
+    report = (tmp_path / "report.md").read_text()
+    side = report[report.index("## Every combination side by side") :]
+    assert side.index("lower=null) | 0.5 → 0.5 | 0 of 1 | 1 (up to 50×)") < side.index(
+        "lower=0.5) | 0.5 → 0.5 | 0 of 1 | 0 |"
+    )
+
+
 # ----------------------------------------------------------------------------- Slurm
 def _fake_slurm(tmp_path: Path, state: str) -> Path:
     """sbatch that numbers its jobs; scontrol that reports every job in `state`."""
@@ -147,7 +316,9 @@ def _fake_slurm(tmp_path: Path, state: str) -> Path:
 
 def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path):
     out = tmp_path / "out"
-    args = [PRESET, "--modes", "none,r3", "--steps", "3", "--out", out, "--submit"]
+    args = [PRESET, "--modes", "none,r3", "--vary", "algo.advantage.baseline_type=group_mean,rloo"]
+    args += ["--steps", "3", "--out", out, "--submit"]
+    names = [f"grpo-k1-advantage.baseline_type={b}-{m}-s0" for b in ("group_mean", "rloo") for m in ("none", "r3")]
 
     def env(state: str) -> dict:
         return dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
@@ -161,12 +332,14 @@ def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path)
         timeout=300,
     )
     assert first.returncode == 0, first.stderr
-    assert "grpo-k1-none-s0: submitted job 1" in first.stdout and "grpo-k1-r3-s0: submitted job 2" in first.stdout
-    assert "2 of 2 runs queued or running" in first.stdout
-    script = (out / "runs" / "grpo-k1-r3-s0" / "job.sbatch").read_text()
-    assert f"TRAIN=({out / 'runs' / 'grpo-k1-r3-s0' / 'config.yaml'})" in script
-    for name, mismatch in (("grpo-k1-none-s0", 4e-5), ("grpo-k1-r3-s0", 2e-5)):  # what the jobs wrote
-        lines = rows(3, mismatch=lambda s, m=mismatch: m)
+    for job, name in enumerate(names, start=1):
+        assert f"{name}: submitted job {job}" in first.stdout
+    assert "4 of 4 runs queued or running" in first.stdout
+    script = (out / "runs" / names[-1] / "job.sbatch").read_text()
+    assert f"TRAIN=({out / 'runs' / names[-1] / 'config.yaml'})" in script
+    assert "baseline_type: rloo" in (out / "runs" / names[-1] / "config.yaml").read_text()
+    for name in names:  # what the jobs wrote
+        lines = rows(3, mismatch=lambda s, m=4e-5 if "-none-" in name else 2e-5: m)
         (out / "runs" / name / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     second = subprocess.run(
         [sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)],
@@ -177,9 +350,10 @@ def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path)
         timeout=300,
     )
     assert second.returncode == 0, second.stderr
-    assert "grpo-k1-none-s0: job 1 completed" in second.stdout
-    assert "At 1× off-policy (grpo), r3 was most stable" in second.stdout
-    assert (out / "report.html").exists() and (out / "runs" / "grpo-k1-r3-s0" / "DONE").exists()
+    assert f"{names[0]}: job 1 completed" in second.stdout
+    for baseline in ("group_mean", "rloo"):
+        assert f"At 1× off-policy (grpo, advantage.baseline_type={baseline}), r3 was most stable" in second.stdout
+    assert (out / "report.html").exists() and all((out / "runs" / name / "DONE").exists() for name in names)
 
 
 # ----------------------------------------------------------------------------- real runs
@@ -200,7 +374,7 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     assert "[1/2] grpo-k1-none-s0" in done.stderr and "[2/2] grpo-k1-r3-s0" in done.stderr  # progress
     assert "At 1× off-policy (grpo)" in done.stdout and "most stable" in done.stdout
     table = (out / "table.csv").read_text().splitlines()
-    assert table[0] == "algo,off_policy,mode,seeds,metric,mean,mean_std,last,last_std"
+    assert table[0] == "algo,off_policy,variant,mode,seeds,metric,mean,mean_std,last,last_std"
     for metric in (
         "reward/mean",
         "train/policy_loss",
@@ -209,6 +383,7 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
         "train/mismatch_abs_mean",
         "train/mismatch_abs_max",
         "train/mismatch_k3_kl",
+        "train/rollout_is_mean",
         "train/routing_agreement_engine",
         "train/routing_agreement_engine/layer1",
         "train/grad_norm",

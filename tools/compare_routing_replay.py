@@ -3,7 +3,8 @@
 `megatron-rlvr compare-replay`.
 
     python tools/compare_routing_replay.py CONFIG [key=value ...] --modes none,r2,r3
-        [--algos grpo,gspo] [--off-policy 1,2,4] [--steps N] [--seeds K] [--out DIR] [--submit]
+        [--algos grpo,gspo] [--off-policy 1,2,4] [--vary algo.KEY=V1,V2 ...] [--steps N] [--seeds K]
+        [--out DIR] [--submit]
 """
 
 import sys

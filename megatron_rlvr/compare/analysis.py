@@ -1,6 +1,6 @@
 """From the runs' metrics.jsonl to numbers: per-run summaries (mean over all steps, first and
-last window), seeds aggregated as mean ± std, and the stability verdict per algorithm and
-off-policy degree. Plain Python, no torch: it can run on a laptop over copied-back runs.
+last window), seeds aggregated as mean ± std, and the stability verdict per algorithm,
+off-policy degree and --vary variant. Plain Python, no torch: it can run on a laptop over copied-back runs.
 
 The verdict rule is explicit so that the report can state it and a reader can check it:
   1. a run is disqualified by a reward collapse (its last-window reward more than
@@ -20,6 +20,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_rlvr.compare.variants import NO_VARIANT, Variant
+
 COLLAPSE = 0.1
 SPIKE = 5.0
 MISMATCH = "train/mismatch_k3_kl"
@@ -33,6 +35,10 @@ METRICS = (
     ("train/clipfrac", "clip fraction"),
     ("train/clipfrac_low_side", "clip fraction, ratio < 1"),
     ("train/clipfrac_high_side", "clip fraction, ratio > 1"),
+    ("train/rollout_is_mean", "correction weight π_old/μ, mean (rollout_is)"),
+    ("train/rollout_is_max", "correction weight π_old/μ, max"),
+    ("train/rollout_is_clipfrac", "tokens whose correction weight was bounded"),
+    ("train/rollout_rs_masked_fraction", "tokens rejected (rollout_rs)"),
     ("train/approx_kl", "KL old → current policy (k3)"),
     ("train/mismatch_abs_mean", "mismatch mean |Δlogp| rollout vs learner"),
     ("train/mismatch_abs_max", "mismatch max |Δlogp| rollout vs learner"),
@@ -52,9 +58,16 @@ class Combo:
     algo: str
     off_policy: int
     mode: str
+    variant: Variant = NO_VARIANT
+
+    @property
+    def group(self) -> tuple[str, int, Variant]:
+        """What a verdict holds fixed while it compares modes: algorithm, degree and variant."""
+        return self.algo, self.off_policy, self.variant
 
     def label(self) -> str:
-        return f"{self.algo} {self.off_policy}× {self.mode}"
+        varied = f" ({self.variant.label})" if self.variant.settings else ""
+        return f"{self.algo} {self.off_policy}× {self.mode}{varied}"
 
 
 @dataclass

@@ -1,9 +1,10 @@
 """`megatron-rlvr compare-replay`: the same training run under several routing-replay modes,
-algorithms and off-policy degrees, side by side, with a report of which one kept training
-stable and why.
+algorithms, off-policy degrees and algo settings (--vary), side by side, with a report of which
+one kept training stable and why.
 
     megatron-rlvr compare-replay CONFIG [key=value ...] --modes none,r2,r3 [--algos grpo,gspo]
-        [--off-policy 1,2,4] [--steps N] [--seeds K] [--out DIR] [--submit --nodes N ...]
+        [--off-policy 1,2,4] [--vary algo.KEY=V1,V2 ...] [--steps N] [--seeds K] [--out DIR]
+        [--submit --nodes N ...]
 
 Runs are resumable: the same command again skips finished runs. With --submit, each
 unfinished run becomes one Slurm job; the same command with --submit again collects them and
@@ -17,6 +18,7 @@ from pathlib import Path
 from typing import get_args
 
 from megatron_rlvr.compare.plan import plan_runs
+from megatron_rlvr.compare.variants import parse_vary
 from megatron_rlvr.config import AlgoConfig, load_config
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
@@ -59,11 +61,20 @@ def add_parser(sub) -> None:
     cmd.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
     cmd.set_defaults(takes_overrides=True)
     cmd.add_argument("--modes", type=_choices(MODES), default=list(MODES), help="default: none,r2,r3")
-    cmd.add_argument("--algos", type=_choices(ALGOS), help="grpo,gspo; default: the config's algo.kind")
+    cmd.add_argument("--algos", type=_choices(ALGOS), help=f"{','.join(ALGOS)}; default: the config's algo.kind")
     cmd.add_argument(
         "--off-policy",
         type=_degrees,
         help="degrees k: optimizer steps per rollout batch (algo.num_minibatches); default: the config's",
+    )
+    cmd.add_argument(
+        "--vary",
+        type=parse_vary,
+        action="append",
+        default=[],
+        metavar="algo.KEY=V1,V2",
+        help="one more axis: an algo setting and its values (YAML, e.g. "
+        "algo.rollout_correction.rollout_is=token,sequence,null); repeat for every combination",
     )
     cmd.add_argument("--steps", type=_positive, help="steps per run; default: the config's trainer.steps")
     cmd.add_argument("--seeds", type=_positive, default=1, help="seeds per combination (trainer.seed 0..K-1)")
@@ -80,6 +91,7 @@ def add_parser(sub) -> None:
 def _setup_lines(args, cfg, steps: int, out: Path) -> list[str]:
     overrides = f" with {' '.join(args.overrides)}" if args.overrides else ""
     engine_dtype = getattr(cfg.rollout.engine, "dtype", "?")
+    varied = " and ".join(f"`{axis.key}` ({', '.join(axis.values)})" for axis in args.vary)
     return [
         f"Config `{args.config}`{overrides}: {steps} steps per run, "
         + (f"seeds 0..{args.seeds - 1} per combination" if args.seeds > 1 else "seed 0")
@@ -87,7 +99,8 @@ def _setup_lines(args, cfg, steps: int, out: Path) -> list[str]:
         "Every run starts from the same initial weights with the same data order and rollout seeds; runs "
         "differ only in the routing-replay mode (none, r2: the learner's own routing from the old-logprob "
         "pass, r3: the engine's), the algorithm and the off-policy degree k (algo.num_minibatches: k "
-        "optimizer steps per rollout batch, so later mini-batches train off-policy).",
+        "optimizer steps per rollout batch, so later mini-batches train off-policy)"
+        + (f", and in {varied} (--vary: every combination)." if varied else "."),
         f"Runs and their metrics: `{out / 'runs'}`.",
     ]
 
@@ -110,6 +123,7 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
             modes=args.modes,
             algos=algos,
             off_policy=degrees,
+            varied=args.vary,
             steps=steps,
             seeds=args.seeds,
             out=out,

@@ -1,5 +1,5 @@
-"""The runs of a comparison: every combination of algorithm, off-policy degree, replay mode and
-seed, each a complete training config of its own in <out>/runs/<name>/config.yaml.
+"""The runs of a comparison: every combination of algorithm, off-policy degree, --vary variant,
+replay mode and seed, each a complete training config of its own in <out>/runs/<name>/config.yaml.
 
 What must not differ between runs does not: every run starts from the same initial weights
 (the config's HF checkpoint, or the tiny model, which every run makes under <run>/model from
@@ -7,11 +7,13 @@ the same model.init_seed, bit for bit), and a seed fixes the data order and roll
 (trainer.seed). Every run captures the
 engine's routing, so that learner/engine routing agreement is measured in every mode, not
 only under R3. A run is finished when its metrics.jsonl has every step and its DONE marker,
-written after the run completed, exists; a comparison run again skips finished runs."""
+written after the run completed, exists; a comparison run again skips finished runs. Runs of
+another config, step count or set of --vary values in the same --out are refused."""
 
 from __future__ import annotations
 
 import copy
+import itertools
 import json
 import time
 from dataclasses import dataclass
@@ -20,11 +22,12 @@ from pathlib import Path
 import yaml
 
 from megatron_rlvr.compare.analysis import Combo, RunResult, read_metrics
+from megatron_rlvr.compare.variants import Vary, grid
 from megatron_rlvr.config import Config, ConfigError, apply_overrides, load_config, to_yaml
 from megatron_rlvr.errors import UserError
 
 DONE = "DONE"
-COMPARISON = "comparison.yaml"  # the base config and step count the runs in --out belong to
+COMPARISON = "comparison.yaml"  # the base config, step count and --vary the runs in --out belong to
 
 
 class CompareError(UserError, RuntimeError):
@@ -63,19 +66,33 @@ class RunPlan:
 
 
 def run_name(combo: Combo, seed: int) -> str:
-    return f"{combo.algo}-k{combo.off_policy}-{combo.mode}-s{seed}"
+    varied = f"{combo.variant.folder_name}-" if combo.variant.settings else ""
+    return f"{combo.algo}-k{combo.off_policy}-{varied}{combo.mode}-s{seed}"
 
 
-def _check_same_comparison(out: Path, base: Config, steps: int) -> None:
-    record = to_yaml(base) + f"# compare-replay steps: {steps}\n"
+def _comparison_record(base: Config, steps: int, varied: list[Vary]) -> dict[str, str]:
+    """What comparison.yaml holds, by what a mismatch is called: the config, then comment lines."""
+    return {
+        "config": to_yaml(base),
+        "step count": f"# compare-replay steps: {steps}\n",
+        "--vary": "".join(f"# compare-replay --vary {axis}\n" for axis in varied),
+    }
+
+
+def _refuse_another_comparison(out: Path, record: dict[str, str]) -> None:
     path = out / COMPARISON
-    if path.exists() and path.read_text() != record:
-        raise CompareError(
-            f"--out {out} holds runs of another config or step count (see {path}); use "
-            "another --out, or delete it to start over"
-        )
-    out.mkdir(parents=True, exist_ok=True)
-    path.write_text(record)
+    if not path.exists() or path.read_text() == "".join(record.values()):
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    theirs = {
+        "config": "".join(line for line in lines if not line.startswith("# compare-replay ")),
+        "step count": "".join(line for line in lines if line.startswith("# compare-replay steps: ")),
+        "--vary": "".join(line for line in lines if line.startswith("# compare-replay --vary ")),
+    }
+    differing = " and ".join(what for what in record if theirs[what] != record[what]) or "config"
+    raise CompareError(
+        f"--out {out} holds runs of another {differing} (see {path}); use another --out, or delete it to start over"
+    )
 
 
 def plan_runs(
@@ -86,42 +103,47 @@ def plan_runs(
     modes: list[str],
     algos: list[str],
     off_policy: list[int],
+    varied: list[Vary],
     steps: int,
     seeds: int,
     out: Path,
 ) -> list[RunPlan]:
-    """Validates every run's config (`base`: CONFIG with overrides, loaded) and writes it;
-    returns the runs in the order they run:
-    for each algorithm, off-policy degree and seed, every mode (so that an interrupted
-    comparison leaves whole sets of modes behind)."""
-    _check_same_comparison(out, base, steps)
+    """Validates every run's config (`base`: CONFIG with overrides, loaded; each --vary
+    variant applied over them) and writes it; returns the runs in the order they run: for each
+    algorithm, off-policy degree, variant and seed, every mode (so that an interrupted
+    comparison leaves whole sets of modes behind). Nothing is recorded in --out until every
+    run's config is valid, so the corrected command is not refused as another comparison."""
+    keys = [axis.key for axis in varied]
+    twice = next((key for key in keys if keys.count(key) > 1), None)
+    if twice is not None:
+        raise CompareError(f"--vary {twice} is given twice; put all its values in one --vary")
+    record = _comparison_record(base, steps, varied)
+    _refuse_another_comparison(out, record)
     raw = apply_overrides(yaml.safe_load(Path(config).read_text()) or {}, list(overrides))
     plans = []
-    for algo in algos:
-        for degree in off_policy:
-            for seed in range(seeds):
-                for mode in modes:
-                    combo = Combo(algo, degree, mode)
-                    plan = RunPlan(combo, seed, out / "runs" / run_name(combo, seed), steps)
-                    settings = {
-                        "algo.kind": algo,
-                        "algo.routing_replay": mode,
-                        "algo.num_minibatches": degree,
-                        "trainer.seed": seed,
-                        "trainer.steps": steps,
-                        "trainer.resume": False,
-                        "trainer.output_dir": str(plan.dir),
-                        "rollout.return_routed_experts": True,
-                    }
-                    run_raw = copy.deepcopy(raw)
-                    for dotted, value in settings.items():
-                        section, key = dotted.split(".")
-                        run_raw.setdefault(section, {})[key] = value
-                    plan.dir.mkdir(parents=True, exist_ok=True)
-                    plan.config.write_text(yaml.safe_dump(run_raw, sort_keys=False))
-                    try:
-                        load_config(plan.config)
-                    except ConfigError as err:
-                        raise ConfigError([f"run {plan.name}: {line}" for line in err.problems]) from err
-                    plans.append(plan)
+    for algo, degree, variant, seed, mode in itertools.product(algos, off_policy, grid(varied), range(seeds), modes):
+        combo = Combo(algo, degree, mode, variant)
+        plan = RunPlan(combo, seed, out / "runs" / run_name(combo, seed), steps)
+        settings = {
+            "algo.kind": algo,
+            "algo.routing_replay": mode,
+            "algo.num_minibatches": degree,
+            "trainer.seed": seed,
+            "trainer.steps": steps,
+            "trainer.resume": False,
+            "trainer.output_dir": str(plan.dir),
+            "rollout.return_routed_experts": True,
+        }
+        plan.dir.mkdir(parents=True, exist_ok=True)
+        try:
+            run_raw = apply_overrides(copy.deepcopy(raw), variant.overrides())
+            for dotted, value in settings.items():
+                section, key = dotted.split(".")
+                run_raw.setdefault(section, {})[key] = value
+            plan.config.write_text(yaml.safe_dump(run_raw, sort_keys=False))
+            load_config(plan.config)
+        except ConfigError as err:
+            raise ConfigError([f"run {plan.name}: {line}" for line in err.problems]) from err
+        plans.append(plan)
+    (out / COMPARISON).write_text("".join(record.values()))
     return plans

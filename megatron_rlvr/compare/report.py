@@ -1,7 +1,8 @@
 """What a comparison leaves behind in --out: table.csv and table.md (mean and last-window value
 of every metric per run, seeds as mean ± std), one PNG per metric with every run overlaid
-(plots/), and report.md / report.html, which say per off-policy degree which replay mode was
-most stable and why, in numbers. Markdown and HTML are rendered from the same blocks, so the
+(plots/), and report.md / report.html, which say per algorithm, off-policy degree and --vary
+variant which replay mode was most stable and why, in numbers, and put every combination's
+stability numbers side by side. Markdown and HTML are rendered from the same blocks, so the
 two never disagree."""
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from megatron_rlvr.compare import analysis as an
 
 MODE_COLORS = {"none": "tab:red", "r2": "tab:orange", "r3": "tab:green"}
 DEGREE_STYLES = ("-", "--", ":", "-.")
+MARKERS = (None, "o", "s", "^", "v", "D", "x", "+")
 LOG_SCALE = {"train/approx_kl", an.MISMATCH, "train/mismatch_abs_mean", "train/mismatch_abs_max", "train/grad_norm"}
 
 
@@ -32,11 +34,19 @@ def slug(key: str) -> str:
     return re.sub(r"[^a-z0-9]+", "_", key.lower()).strip("_")
 
 
+def group_title(combo: an.Combo) -> str:
+    """`grpo, 4× off-policy` and the variant's settings, if any: what a group's modes share."""
+    varied = f", {combo.variant.label}" if combo.variant.settings else ""
+    return f"{combo.algo}, {combo.off_policy}× off-policy{varied}"
+
+
 # ----------------------------------------------------------------------------- the table
 def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str, str]], seeds: int) -> None:
     with open(out / "table.csv", "w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow(["algo", "off_policy", "mode", "seeds", "metric", "mean", "mean_std", "last", "last_std"])
+        writer.writerow(
+            ["algo", "off_policy", "variant", "mode", "seeds", "metric", "mean", "mean_std", "last", "last_std"]
+        )
         for combo, cells in table.items():
             for key, _ in keys:
                 if key in cells:
@@ -45,6 +55,7 @@ def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list
                         [
                             combo.algo,
                             combo.off_policy,
+                            combo.variant.label,
                             combo.mode,
                             seeds,
                             key,
@@ -58,11 +69,11 @@ def write_table(out: Path, table: dict[an.Combo, dict[str, an.Cell]], keys: list
 
 
 def table_blocks(table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str, str]], seeds: int) -> list:
-    """One table per algorithm and off-policy degree: metrics down, modes across; each cell
-    'mean over the run / last window'."""
+    """One table per algorithm, off-policy degree and variant: metrics down, modes across; each
+    cell 'mean over the run / last window'."""
     blocks: list[tuple] = []
-    for algo, degree in sorted({(c.algo, c.off_policy) for c in table}):
-        combos = [c for c in table if (c.algo, c.off_policy) == (algo, degree)]
+    for group in sorted({c.group for c in table}):
+        combos = [c for c in table if c.group == group]
         rows = []
         for key, label in keys:
             if any(key in table[c] for c in combos):
@@ -75,14 +86,16 @@ def table_blocks(table: dict[an.Combo, dict[str, an.Cell]], keys: list[tuple[str
                         for c in combos
                     ]
                 )
-        blocks.append(("h3", f"{algo}, {degree}× off-policy (mean over the run / last window)"))
+        blocks.append(("h3", f"{group_title(combos[0])} (mean over the run / last window)"))
         blocks.append(("table", ["metric", *[c.mode for c in combos]], rows))
     return blocks
 
 
 # ----------------------------------------------------------------------------- plots
 def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, str]]) -> list[tuple[str, Path]]:
-    """One PNG per metric, every Combo's seed-mean curve overlaid (a band: ± std over seeds)."""
+    """One PNG per metric, every Combo's seed-mean curve overlaid (a band: ± std over seeds).
+    Colour tells the modes apart, or the variants when there are several (the modes then by
+    marker); line style the off-policy degree, marker the algorithm."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,6 +107,8 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
     degrees = sorted({c.off_policy for c in combos})
     algos = sorted({c.algo for c in combos})
     modes = sorted({c.mode for c in combos})
+    variants = sorted({c.variant for c in combos})
+    by_variant = len(variants) > 1
     written = []
     for key, label in keys:
         fig, ax = plt.subplots(figsize=(7, 4))
@@ -104,7 +119,13 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
                 continue
             positive = positive and min(mean) > 0
             style = DEGREE_STYLES[degrees.index(combo.off_policy) % len(DEGREE_STYLES)]
-            marker = "o" if algos.index(combo.algo) else None
+            shape = (
+                algos.index(combo.algo) * len(modes) + modes.index(combo.mode)
+                if by_variant
+                else algos.index(combo.algo)
+            )
+            marker = MARKERS[shape % len(MARKERS)]
+            color = f"C{variants.index(combo.variant) % 10}" if by_variant else MODE_COLORS.get(combo.mode)
             width = max(2.4 - 0.6 * modes.index(combo.mode), 0.8)  # identical curves stay visible
             (line,) = ax.plot(
                 steps,
@@ -113,7 +134,7 @@ def write_plots(out: Path, results: list[an.RunResult], keys: list[tuple[str, st
                 marker=marker,
                 markersize=3,
                 linewidth=width,
-                color=MODE_COLORS.get(combo.mode),
+                color=color,
                 label=combo.label(),
             )
             if any(std):
@@ -144,8 +165,8 @@ def _pct(value: float | None) -> str:
 
 
 def verdict(candidates: list[an.Stability], steps: int) -> str:
-    """One paragraph: which mode was most stable at this algorithm and off-policy degree, and
-    the numbers that say why."""
+    """One paragraph: which mode was most stable at this algorithm, off-policy degree and
+    variant, and the numbers that say why."""
     best = an.most_stable(candidates)
     c = best.combo
 
@@ -156,8 +177,14 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
         )
 
     others = [s for s in candidates if s is not best]
-    text = f"At {c.off_policy}× off-policy ({c.algo}), **{c.mode}** was most stable: over {steps} steps {trend(best)}"
-    text += f", while {', '.join(trend(s) for s in others)}." if others else "."
+    varied = f", {c.variant.label}" if c.variant.settings else ""
+    text = f"At {c.off_policy}× off-policy ({c.algo}{varied}), "
+    if others:
+        text += (
+            f"**{c.mode}** was most stable: over {steps} steps {trend(best)}, while {', '.join(map(trend, others))}."
+        )
+    else:
+        text += f"only {c.mode} ran: over {steps} steps {trend(best)}."
     troubled = [s for s in candidates if s.disqualified]
     for s in troubled:
         what = []
@@ -170,7 +197,7 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
         text += f" {s.combo.mode}: {' and '.join(what)}."
     if not troubled:
         text += " No run had a reward collapse or a grad-norm spike."
-    elif best.disqualified:
+    elif best.disqualified and others:
         text += " Every run was disqualified, so the lowest mismatch decided."
     text += (
         " Reward, first → last window: "
@@ -185,6 +212,31 @@ def verdict(candidates: list[an.Stability], steps: int) -> str:
             + "."
         )
     return text
+
+
+def side_by_side(stabilities: list[an.Stability], seeds: int) -> tuple:
+    """One row per combination with the numbers the rule reads, in the groups' order, so that
+    variants (a correction, a baseline) compare across groups, not only the modes within one."""
+    rows = [
+        [
+            s.combo.label(),
+            f"{fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}",
+            f"{s.collapses} of {seeds}",
+            f"{s.spikes} (up to {s.spike_ratio:.0f}×)" if s.spikes else "0",
+            f"{s.mismatch_last:.1e}",
+            _pct(s.natural_agreement),
+        ]
+        for s in sorted(stabilities, key=lambda s: (s.combo.group, s.combo.mode))
+    ]
+    head = [
+        "combination",
+        "reward, first → last window",
+        "reward collapsed (seeds)",
+        "grad-norm spikes",
+        "mismatch KL, last window",
+        "routing agreement with engine",
+    ]
+    return ("table", head, rows)
 
 
 RULE = (
@@ -253,16 +305,18 @@ def write_report(out: Path, results: list[an.RunResult], setup: list[str], steps
     table = an.aggregate(results, [k for k, _ in keys])
     write_table(out, table, keys, seeds)
     plots = write_plots(out, results, keys)
-    verdicts = []
-    for algo, degree in sorted({(c.algo, c.off_policy) for c in table}):
-        candidates = [an.stability(results, c, window) for c in table if (c.algo, c.off_policy) == (algo, degree)]
-        verdicts.append(verdict(candidates, steps))
+    stabilities = [an.stability(results, c, window) for c in table]
+    verdicts = [
+        verdict([s for s in stabilities if s.combo.group == group], steps) for group in sorted({c.group for c in table})
+    ]
     blocks = [
         ("h1", "Routing replay comparison"),
         *[("p", line) for line in setup],
         ("h2", "Which mode kept training stable"),
         *[("p", v) for v in verdicts],
         ("p", RULE),
+        ("h2", "Every combination side by side"),
+        side_by_side(stabilities, seeds),
         ("h2", "Metrics"),
         *table_blocks(table, keys, seeds),
         ("h2", "Curves"),
