@@ -126,6 +126,33 @@ def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_pa
     assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
 
 
+def test_cuda_without_transformer_engine_runs_the_local_spec_only_where_asked():
+    # MEGATRON_RLVR_CUDA_LOCAL_SPEC=1 (gpu_check on a GPU machine without TE): the local spec's
+    # fixes, none of the CPU's device redirection. In a process of its own: the fixes are global.
+    pytest.importorskip("megatron.core")
+    code = """
+import os, torch
+from megatron_rlvr.learner import cpu_compat, parallel
+try:
+    import transformer_engine
+    print("te")
+except ImportError:
+    available, count = torch.cuda.is_available, torch.cuda.device_count
+    os.environ[parallel.CUDA_LOCAL_SPEC] = "1"
+    parallel.require_transformer_engine()
+    from megatron.core.transformer.moe import moe_utils
+    assert moe_utils.fused_permute is None and cpu_compat._state["local_spec"]
+    assert not cpu_compat._state["applied"] and "mode" not in cpu_compat._state
+    assert torch.cuda.is_available is available and torch.cuda.device_count is count
+    print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.strip() == "te":
+        pytest.skip("transformer-engine is installed here")
+    assert done.stdout.strip() == "ok"
+
+
 def test_cuda_without_transformer_engine_is_refused_before_any_group_is_made():
     pytest.importorskip("megatron.core")
     try:
