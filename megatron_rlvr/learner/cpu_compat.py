@@ -172,7 +172,12 @@ class _NoOpStream:
 
 
 def _patch_cuda_runtime() -> None:
-    """Streams, events and device queries as no-ops: on CPU every op is synchronous."""
+    """Streams, events and device queries as no-ops: on CPU every op is synchronous. And no
+    CUDA at all, as on a machine without GPUs: on one with GPUs, torch.compile (Megatron's fused
+    router functions) asks whether CUDA is available, then for the properties of device 0 of the
+    zero devices reported here (IndexError, seen on the first GPU run), and would otherwise
+    touch the real GPU (its RNG state) from a CPU run."""
+    torch.cuda.is_available = lambda: False
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
