@@ -16,6 +16,12 @@ by default a fresh runs/gpu-check/<UTC time> per check; the train step's run fol
 so the check runs again as it ran the first time. Every step has a time limit (a step past it is
 stopped with everything it started, and fails); a pytest step that ran no test fails.
 
+--only a,b runs just those steps (in the order above); --keep-going runs every step and reports
+each failure instead of stopping at the first. GPU_CHECK_PYTHON=<interpreter> runs the steps with
+another Python than .venv/bin/python (and the CLI as `<interpreter> -m megatron_rlvr.cli`): for a
+GPU machine whose own Python already holds torch, with the rest on PYTHONPATH (the setup step
+then has nothing to do: pass --skip-setup).
+
 --dry-run lists the steps and their commands and runs nothing. --smoke runs the same machinery
 on a CPU machine (the GPU steps become no-ops, submit runs for real), so CI can prove the
 script itself; GPU_CHECK_FAIL_AT=<step> makes that step fail, to prove the first failure stops
@@ -38,7 +44,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PY = ".venv/bin/python"
+PY = os.environ.get("GPU_CHECK_PYTHON") or ".venv/bin/python"
+CLI = [PY, "-m", "megatron_rlvr.cli"] if os.environ.get("GPU_CHECK_PYTHON") else [".venv/bin/megatron-rlvr"]
 INVENTORY = """
 import json, torch
 info = {"torch": torch.__version__, "cuda": torch.version.cuda, "gpu": torch.cuda.get_device_name(0),
@@ -131,7 +138,7 @@ def plan(out: Path, stamp: str) -> list[Step]:
         Step(
             "train",
             "megatron-rlvr train: learner + SGLang on GPU 0, R3, bf16, 5 steps",
-            [".venv/bin/megatron-rlvr", "train", *TRAIN, f"trainer.output_dir={train_dir}"],
+            [*CLI, "train", *TRAIN, f"trainer.output_dir={train_dir}"],
             kind="train",
         ),
         Step(
@@ -141,7 +148,7 @@ def plan(out: Path, stamp: str) -> list[Step]:
                 "bash",
                 "-c",
                 " && ".join(
-                    f".venv/bin/megatron-rlvr submit configs/{name}.yaml --nodes {nodes} --gpus-per-node 8 --dry-run >/dev/null"
+                    f"{shlex.join(CLI)} submit configs/{name}.yaml --nodes {nodes} --gpus-per-node 8 --dry-run >/dev/null"
                     for name, nodes in (("qwen3-30b-a3b-grpo-r3", 4), ("qwen3-235b-a22b-gspo", 16))
                 ),
             ],
@@ -176,9 +183,11 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
             "tests": tests,
             "passed": sum(t["outcome"] == "passed" for t in tests.values()),
             "failed": sum(t["outcome"] == "failed" for t in tests.values()),
+            "skipped": sum(t["outcome"] == "skipped" for t in tests.values()),
         }
     if step.kind == "train":
-        path = out / "train-run" / "metrics.jsonl"
+        runs = sorted(out.glob("train-run-*/metrics.jsonl"))  # the step's run folder is train-run-<stamp>
+        path = runs[-1] if runs else out / "train-run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         keys = (
             "step",
@@ -259,8 +268,14 @@ def run_step(step: Step, out: Path, smoke: bool) -> bool:
     return ok
 
 
-def write_report(steps: list[Step], out: Path, mode: str, failed: Step | None) -> None:
-    verdict = "PASSED" if failed is None else f"FAILED at step {failed.name}"
+def write_report(steps: list[Step], out: Path, mode: str, failures: list[Step]) -> None:
+    verdict = (
+        "PASSED"
+        if not failures
+        else f"FAILED at step {failures[0].name}"
+        if len(failures) == 1
+        else f"FAILED at steps {', '.join(f.name for f in failures)}"
+    )
     data = {
         "verdict": verdict,
         "mode": mode,
@@ -280,7 +295,7 @@ def write_report(steps: list[Step], out: Path, mode: str, failed: Step | None) -
     for s in steps:
         if s.figures:
             lines += ["", f"## {s.name}", "", "```", json.dumps(s.figures, indent=1)[:6000], "```"]
-    if failed is not None:
+    for failed in failures:
         lines += ["", f"## {failed.name} failed: `{shlex.join(failed.command)}`", "", "```", failed.tail, "```"]
     (out / "REPORT.md").write_text("\n".join(lines) + "\n")
 
@@ -291,30 +306,39 @@ def main() -> int:
     parser.add_argument("--dry-run", action="store_true", help="list the steps and their commands; run nothing")
     parser.add_argument("--smoke", action="store_true", help="CPU machine: GPU steps are no-ops (tests the script)")
     parser.add_argument("--skip-setup", action="store_true", help="the GPU venv is already there")
+    parser.add_argument("--only", help="comma-separated steps to run (in the check's order); the rest are left out")
+    parser.add_argument("--keep-going", action="store_true", help="run every step; report each failure")
     args = parser.parse_args()
     stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
     out = (args.out or REPO / "runs" / "gpu-check" / stamp).resolve()
     steps = plan(out, stamp)
     if args.skip_setup or args.smoke:
         steps = [s for s in steps if s.name != "setup"]
+    if args.only:
+        wanted = [name.strip() for name in args.only.split(",") if name.strip()]
+        unknown = sorted(set(wanted) - {s.name for s in steps})
+        if unknown:
+            parser.error(f"--only: no such step {unknown}; the steps: {', '.join(s.name for s in steps)}")
+        steps = [s for s in steps if s.name in wanted]
     if args.dry_run:
         for number, step in enumerate(steps, 1):
             print(f"{number}. {step.name}: {step.what}\n   {shlex.join(step.command)}")
         return 0
     out.mkdir(parents=True, exist_ok=True)
     mode = "smoke (CPU)" if args.smoke else "gpu"
-    failed = None
+    failures: list[Step] = []
     for step in steps:
         print(f"[gpu-check] {step.name}: {step.what} ...", flush=True)
-        if not run_step(step, out, args.smoke):
-            failed = step
-            break
+        ok = run_step(step, out, args.smoke)
         print(f"[gpu-check] {step.name}: {step.status} in {step.seconds} s", flush=True)
-    write_report(steps, out, mode, failed)
-    if failed is not None:
-        print(
-            f"[gpu-check] FAILED at step {failed.name} ({failed.status}); report: {out / 'REPORT.md'}", file=sys.stderr
-        )
+        if not ok:
+            failures.append(step)
+        write_report(steps, out, mode, failures)  # after each step: a check stopped from outside keeps it
+        if failures and not args.keep_going:
+            break
+    if failures:
+        named = ", ".join(f"{f.name} ({f.status})" for f in failures)
+        print(f"[gpu-check] FAILED at step {named}; report: {out / 'REPORT.md'}", file=sys.stderr)
         return 1
     print(f"[gpu-check] PASSED; report: {out / 'REPORT.md'}")
     return 0

@@ -126,6 +126,93 @@ def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_pa
     assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
 
 
+def test_gpu_check_runs_chosen_steps_past_a_failure_with_another_python(tmp_path):
+    # --only picks steps, --keep-going reports every failure, GPU_CHECK_PYTHON replaces .venv
+    # (a GPU machine's own Python, with the rest on PYTHONPATH: docs/gpu-check-report.md)
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable}
+    listed = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", "submit,learner-hf"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+        env=env,
+    )
+    assert listed.returncode == 0, listed.stderr
+    assert [line.split(":")[0] for line in listed.stdout.splitlines() if line[:1].isdigit()] == [
+        "1. learner-hf",
+        "2. submit",
+    ]
+    assert (
+        f"{sys.executable} -m pytest -m gpu" in listed.stdout
+        and f"{sys.executable} -m megatron_rlvr.cli submit" in listed.stdout
+    )
+    bad = subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", "nope"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and "no such step ['nope']" in bad.stderr
+    done = subprocess.run(
+        [
+            "bash",
+            "scripts/gpu_check.sh",
+            "--smoke",
+            "--keep-going",
+            "--only",
+            "inventory,submit",
+            "--out",
+            str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+        env={**env, "GPU_CHECK_FAIL_AT": "inventory"},
+    )
+    assert done.returncode == 1 and "FAILED at step inventory" in done.stderr
+    report = json.loads((tmp_path / "REPORT.json").read_text())
+    status = {s["name"]: s["status"] for s in report["steps"]}
+    assert status == {"inventory": "FAILED (exit 7)", "submit": "passed"}  # submit ran, with sys.executable
+
+
+def test_gpu_check_reads_the_train_steps_figures_from_its_run_folder(tmp_path):
+    gpu_check = runpy.run_path(str(REPO / "scripts" / "gpu_check.py"), run_name="gpu_check")
+    (tmp_path / "train-run-20260101-000000").mkdir()
+    (tmp_path / "train-run-20260101-000000" / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
+    step = next(s for s in gpu_check["plan"](tmp_path, "20260101-000000") if s.name == "train")
+    assert gpu_check["figures"](step, tmp_path, "")["steps"][0]["reward/mean"] == 0.5
+
+
+def test_cuda_without_transformer_engine_runs_the_local_spec_only_where_asked():
+    # MEGATRON_RLVR_CUDA_LOCAL_SPEC=1 (gpu_check on a GPU machine without TE): the local spec's
+    # fixes, none of the CPU's device redirection. In a process of its own: the fixes are global.
+    pytest.importorskip("megatron.core")
+    code = """
+import os, torch
+from megatron_rlvr.learner import cpu_compat, parallel
+try:
+    import transformer_engine
+    print("te")
+except ImportError:
+    available, count = torch.cuda.is_available, torch.cuda.device_count
+    os.environ[parallel.CUDA_LOCAL_SPEC] = "1"
+    parallel.require_transformer_engine()
+    from megatron.core.transformer.moe import moe_utils
+    assert moe_utils.fused_permute is None and cpu_compat._state["local_spec"]
+    assert not cpu_compat._state["applied"] and "mode" not in cpu_compat._state
+    assert torch.cuda.is_available is available and torch.cuda.device_count is count
+    print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    if done.stdout.strip() == "te":
+        pytest.skip("transformer-engine is installed here")
+    assert done.stdout.strip() == "ok"
+
+
 def test_cuda_without_transformer_engine_is_refused_before_any_group_is_made():
     pytest.importorskip("megatron.core")
     try:

@@ -4,6 +4,8 @@ Megatron-Core assumes CUDA in a handful of places (measured on 0.16.1; see
 shared/notes/megatron-on-cpu.md). Each adaptation below says what it fixes and when it can
 go. `apply()` is called explicitly, once, by the learner when `parallel.device == "cpu"`;
 it refuses any other megatron-core version, since these adaptations target exact code.
+`apply_local_spec_on_cuda()` applies only the local spec's fixes (3-7), for a CUDA run without
+transformer-engine that MEGATRON_RLVR_CUDA_LOCAL_SPEC=1 opts into (a check, not a run mode).
 """
 
 from __future__ import annotations
@@ -170,7 +172,12 @@ class _NoOpStream:
 
 
 def _patch_cuda_runtime() -> None:
-    """Streams, events and device queries as no-ops: on CPU every op is synchronous."""
+    """Streams, events and device queries as no-ops: on CPU every op is synchronous. And no
+    CUDA at all, as on a machine without GPUs: on one with GPUs, torch.compile (Megatron's fused
+    router functions) asks whether CUDA is available, then for the properties of device 0 of the
+    zero devices reported here (IndexError, seen on the first GPU run), and would otherwise
+    touch the real GPU (its RNG state) from a CPU run."""
+    torch.cuda.is_available = lambda: False
     torch.cuda.current_device = lambda: 0
     torch.cuda.device_count = lambda: 0
     torch.cuda.synchronize = lambda *a, **k: None
@@ -328,6 +335,29 @@ def check_version() -> None:
         )
 
 
+def _apply_local_spec_fixes() -> None:
+    """The adaptations the local (non-transformer-engine) spec needs on any device: 3-7 above.
+    1, 2 and the CUDA runtime no-ops are for the CPU alone."""
+    if _state.get("local_spec"):
+        return
+    _patch_moe_utils()
+    _patch_torch_norm()
+    _patch_distributed_optimizer_load()
+    _patch_mla_local_attention()
+    _patch_expert_bias_add()
+    _state["local_spec"] = True
+
+
+def apply_local_spec_on_cuda() -> None:
+    """CUDA without transformer-engine, where MEGATRON_RLVR_CUDA_LOCAL_SPEC=1 asks for it (the
+    learner refuses it otherwise): the local spec's fixes, no device redirection. For checking
+    the CUDA path (NCCL, CUDA RNG states, checkpoints across devices) on a machine that has no
+    TE; what runs is not the TE spec that GPU runs use. Idempotent."""
+    check_version()
+    _apply_local_spec_fixes()
+    log.warning("megatron-core %s on CUDA with the local spec (no transformer-engine)", TESTED_MEGATRON_CORE)
+
+
 def apply() -> None:
     """Adapts Megatron-Core to CPU, once per process. Idempotent. Also on a machine with
     GPUs: parallel.device = cpu means this process computes on the CPU only."""
@@ -336,12 +366,8 @@ def apply() -> None:
     check_version()
     _install_rng_tracker()
     _patch_cuda_runtime()
-    _patch_moe_utils()
-    _patch_torch_norm()
+    _apply_local_spec_fixes()
     _patch_autograd_backward()
-    _patch_distributed_optimizer_load()
-    _patch_mla_local_attention()
-    _patch_expert_bias_add()
     mode = CudaToCpuMode()
     mode.__enter__()  # stays active for the life of the process, by design
     _state.update(applied=True, mode=mode)

@@ -27,13 +27,23 @@ class MissingTransformerEngine(UserError, RuntimeError):
     pass
 
 
+CUDA_LOCAL_SPEC = "MEGATRON_RLVR_CUDA_LOCAL_SPEC"
+
+
 def require_transformer_engine() -> None:
     """parallel.device = cuda builds Megatron's transformer-engine layer spec; the local spec
-    on CUDA would need the adaptations learner/cpu_compat.py makes for CPU only (plain norms
-    under sequence parallelism, the fused MoE kernels' names), so CUDA without TE is refused."""
+    on CUDA needs the adaptations learner/cpu_compat.py makes for the local spec (plain norms
+    under sequence parallelism, the fused MoE kernels' names), so CUDA without TE is refused,
+    unless MEGATRON_RLVR_CUDA_LOCAL_SPEC=1 asks for the local spec with those adaptations:
+    for checking the CUDA path on a GPU machine without TE (scripts/gpu_check.py), not for runs."""
     try:
         import transformer_engine  # noqa: F401
     except ImportError as err:
+        if os.environ.get(CUDA_LOCAL_SPEC) == "1":
+            from megatron_rlvr.learner import cpu_compat
+
+            cpu_compat.apply_local_spec_on_cuda()
+            return
         raise MissingTransformerEngine(
             f"parallel.device = cuda needs transformer-engine ({err}): install the GPU environment "
             "(bash scripts/setup.sh --gpu, the [gpu] extra) or set parallel.device = cpu"
