@@ -210,3 +210,84 @@ def test_a_repeated_prompt_after_a_sync_is_computed_with_the_new_weights(api_eng
     routed = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4, sample=meta["id"])
     assert np.array_equal(routed, routing.numpy())  # every prompt position routed under the new weights
     asyncio.run(push_weights(api_engine, {n: original[n] for n in new}, current + 2))  # restore
+
+
+def hf_continued(old_dir, new_dir, prompt: list[int], output: list[int], switch: int, temperature: float):
+    """Logprobs of output[switch:] and the router top-k of the positions fed from
+    len(prompt) + switch - 1 on, from HF's new weights continuing from the old weights' KV
+    cache of everything fed before (what an in-place pause computes after the sync)."""
+    from transformers import AutoModelForCausalLM
+
+    old = AutoModelForCausalLM.from_pretrained(str(old_dir), dtype=torch.float32)
+    new = AutoModelForCausalLM.from_pretrained(str(new_dir), dtype=torch.float32)
+    with torch.no_grad():
+        cache = old(torch.tensor([prompt + output[: switch - 1]]), use_cache=True).past_key_values
+        rest = new(
+            torch.tensor([output[switch - 1 : -1]]), past_key_values=cache, use_cache=True, output_router_logits=True
+        )
+    logp = torch.log_softmax(rest.logits[0] / temperature, -1).gather(-1, torch.tensor(output[switch:])[:, None])
+    k = new.config.num_experts_per_tok
+    routing = torch.stack([torch.softmax(lg.float(), -1).topk(k, -1).indices for lg in rest.router_logits], dim=1)
+    return logp.squeeze(-1), routing
+
+
+@pytest.mark.parametrize("mode", ["in_place", "retract"])
+def test_routed_experts_of_a_sequence_a_sync_lands_in(api_engine, tiny_hf_dir, tmp_path, mode):
+    """What R3 replays for a sequence a weight sync lands in (rollout.updates = in_flight):
+    the engine's routed_experts, decoded as the rollout manager does. SGLang stores a
+    position's routing with its KV slot and reads it when the request finishes.
+
+    In place (KV kept: the pause R3 in flight needs) every position keeps the routing it was
+    fed with: the tokens sampled by the old weights come back with the old weights' routing,
+    the later ones with the new weights' over the old KV, each the same weights as its
+    logprob. SGLang's overlap scheduler has one forward in flight at the pause, computed by
+    the old weights; its token is counted in the new version's weight_versions span (the
+    span is one token late), while its logprob and routing are the old weights' as they
+    should be. Retracted, the sequence is re-prefilled into new slots and every position comes
+    back routed by the new weights, while the earlier tokens' logprobs stay the old weights':
+    why the config refuses retract with R3 in flight."""
+    from safetensors.torch import load_file
+
+    original = load_file(str(tiny_hf_dir / "model.safetensors"))
+    gen = torch.Generator().manual_seed(13)
+    new = {n: t + 0.5 * torch.randn(t.shape, generator=gen) for n, t in original.items() if ".layers." in n}
+    updated = updated_model_dir(tiny_hf_dir, tmp_path, new)
+    prompt = [31, 4, 59, 26, 53, 58, 1, 93]
+    body = {
+        "input_ids": prompt,
+        "return_logprob": True,
+        "return_routed_experts": True,
+        "sampling_params": {"max_new_tokens": 480, "temperature": 1.0, "ignore_eos": True},
+    }
+    box = {}
+    thread = threading.Thread(target=lambda: box.update(r=generate(api_engine, body, timeout=300)))
+    thread.start()
+    time.sleep(0.5)
+    current = int(httpx.get(f"{api_engine.url}/model_info").json()["weight_version"])
+    try:
+        asyncio.run(push_weights(api_engine, new, current + 1, pause_mode=mode))
+        thread.join(300)
+    finally:  # the old weights back, and (retract flushes) no KV of the new ones left cached
+        asyncio.run(push_weights(api_engine, {n: original[n] for n in new}, current + 2))
+    meta = box["r"]["meta_info"]
+    out = box["r"]["output_ids"]
+    spans = meta["weight_versions"]
+    assert [s["version"] for s in spans] == [str(current), str(current + 1)], spans  # the sync landed mid-way
+    got = torch.tensor([lp for lp, _, _ in meta["output_token_logprobs"]])
+    old_logp, old_routing = hf_teacher_forced(tiny_hf_dir, prompt, out, 1.0)
+    new_logp, new_routing = hf_teacher_forced(updated, prompt, out, 1.0)
+    late = 1 if mode == "in_place" and api_engine.kind != "cpu" else 0  # SGLang's overlap scheduler
+    switch = spans[1]["start"] + late  # the first token the new weights computed (checked below)
+    assert (got[:switch] - old_logp[:switch]).abs().max() <= api_engine.tolerance
+    before = len(prompt) + switch - 1  # positions fed (and routed) by the old weights
+    routed = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4, sample=mode)
+    assert len(routed) == len(prompt) + len(out) - 1
+    assert not np.array_equal(old_routing[:before].numpy(), new_routing[:before].numpy())  # the sync moved them
+    if mode == "in_place":
+        assert np.array_equal(routed[:before], old_routing[:before].numpy())  # the routing that produced them
+        logp, routing = hf_continued(tiny_hf_dir, updated, prompt, out, switch, 1.0)
+        assert np.array_equal(routed[before:], routing.numpy())
+        assert (got[switch:] - logp).abs().max() <= max(api_engine.tolerance, 1e-4)
+    else:
+        assert np.array_equal(routed, new_routing.numpy())  # routed again at the re-prefill
+        assert (got[switch:] - new_logp[switch:]).abs().max() <= max(api_engine.tolerance, 1e-4)

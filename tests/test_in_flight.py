@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 from engine_fixtures import start_engine
-from test_config import _problems
+from test_config import TINY, _problems
 
 from megatron_rlvr.algo.from_config import advantage_options
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.buffer.buffer import Buffer
-from megatron_rlvr.config import AlgoConfig
+from megatron_rlvr.config import AlgoConfig, load_config
 from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.loop_metrics import BusyClock, staleness_metrics
 from megatron_rlvr.rollout import protocol as p
@@ -172,6 +172,27 @@ def test_groups_cut_off_in_flight_by_a_checkpoint_are_generated_again_first_on_r
 def test_in_flight_refuses_what_it_cannot_honour(overrides, expected):
     problems = _problems(overrides)
     assert any(expected in line for line in problems) and all("\n" not in line for line in problems), problems
+
+
+def test_r3_in_flight_with_sglang_is_allowed_in_place_and_refused_retracted():
+    """SGLang keeps a position's routing with its KV: after an in_place pause it returns the
+    routing every token was produced with, after a retract the new weights' routing for the
+    earlier tokens (tests/test_engine_api.py::test_routed_experts_of_a_sequence_a_sync_lands_in,
+    docs/in-flight.md). In place (with the radix cache off, as SGLang's in_place needs) loads;
+    retracted is refused in one line."""
+    sglang = ["rollout.engine.type=sglang", "rollout.engine.device=cpu", "rollout.updates=in_flight"]
+    r3 = [*sglang, "algo.routing_replay=r3"]
+    cfg = load_config(
+        TINY, [*r3, "weight_sync.pause_mode=in_place", "rollout.engine.extra_args=[--disable-radix-cache]"]
+    )
+    assert cfg.weight_sync.pause_mode == "in_place" and cfg.rollout.return_routed_experts is True
+    problems = _problems([*r3, "weight_sync.pause_mode=retract"])
+    assert problems == [
+        "weight_sync.pause_mode = retract: with rollout.updates = in_flight and algo.routing_replay = r3 the "
+        "pause must be in_place; a retracted sequence is routed again under the new weights, so the routing "
+        "replayed for its earlier tokens would not be the one that produced them"
+    ]
+    assert load_config(TINY, [*sglang, "weight_sync.pause_mode=retract"]).algo.routing_replay == "none"
 
 
 def test_staleness_metrics_need_counted_tokens():
