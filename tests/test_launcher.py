@@ -61,6 +61,11 @@ def test_sglang_command_carries_the_layout(monkeypatch, tmp_path):
     assert "--device" not in cmd and proc.env == {"CUDA_VISIBLE_DEVICES": "4,5,6,7"}
     no_r3 = engine_process("/m", engine, host="127.0.0.1", port=30000, routed_experts=False, log_dir=tmp_path)
     assert "--enable-return-routed-experts" not in no_r3.command and no_r3.env == {}
+    assert "--disable-overlap-schedule" not in cmd  # the overlap scheduler stays, but in flight:
+    in_flight = engine_process(
+        "/m", engine, host="127.0.0.1", port=30000, routed_experts=True, log_dir=tmp_path, in_flight=True
+    )
+    assert "--disable-overlap-schedule" in in_flight.command  # its queued forward would mis-tag a token's version
 
 
 def test_sglang_on_cpu_gets_the_cpu_flags_environment_and_its_own_interpreter(monkeypatch, tmp_path):

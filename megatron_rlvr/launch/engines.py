@@ -52,6 +52,7 @@ class EngineHost:
             name=f"engine {self.index} ({rollout.engine.type})",
             gpus=self.gpus,
             api_key=self.api_key,
+            in_flight=rollout.updates == "in_flight",
         )
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")

@@ -314,9 +314,14 @@ def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int, 
     return cmd + (["--enable-return-routed-experts"] if routed_experts else [])
 
 
-def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int, routed_experts: bool) -> list[str]:
+def sglang_command(
+    model_dir: str, engine: SglangEngine, host: str, port: int, routed_experts: bool, in_flight: bool = False
+) -> list[str]:
     """`python -m sglang.launch_server` with the run's layout. Requests and responses carry
-    token ids only (the sampler tokenizes), so SGLang skips its tokenizer."""
+    token ids only (the sampler tokenizes), so SGLang skips its tokenizer. in_flight (syncs
+    that land mid-sequence): without the overlap scheduler, whose forward queued at a pause
+    puts one old-weights token in the new version's span (docs/in-flight.md), so every
+    token's version tag is exact."""
     python = engine.python or sys.executable
     if engine.python is None and importlib.util.find_spec("sglang") is None:
         raise EngineStartError(
@@ -349,6 +354,8 @@ def sglang_command(model_dir: str, engine: SglangEngine, host: str, port: int, r
         cmd += SGLANG_CPU_FLAGS
     if routed_experts:
         cmd.append("--enable-return-routed-experts")
+    if in_flight:
+        cmd.append("--disable-overlap-schedule")
     return cmd + list(engine.extra_args)  # last: argparse lets a later flag override ours
 
 
@@ -384,9 +391,11 @@ def engine_process(
     name: str = "engine",
     gpus: list[int] | None = None,
     api_key: str | None = None,
+    in_flight: bool = False,
 ) -> ServerProcess:
     """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors).
-    api_key: what every request but /health must carry (None: the server checks nothing)."""
+    api_key: what every request but /health must carry (None: the server checks nothing).
+    in_flight: the run's syncs land mid-sequence (rollout.updates = in_flight)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     key_file = None
@@ -394,7 +403,8 @@ def engine_process(
         command = cpu_engine_command(model_dir, engine, host, port, routed_experts)
         env = {ENGINE_API_KEY_ENV: api_key} if api_key else {}
     else:
-        command, env = sglang_command(model_dir, engine, host, port, routed_experts), sglang_env(engine, gpus)
+        command = sglang_command(model_dir, engine, host, port, routed_experts, in_flight)
+        env = sglang_env(engine, gpus)
         if api_key:  # SGLang reads no key from its environment: a --config file, not argv
             key_file = log_dir / f"engine-{port}.key.yaml"
             command += ["--config", str(key_file)]
