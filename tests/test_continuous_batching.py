@@ -18,6 +18,10 @@ from megatron_rlvr.rollout.cpu_engine import CpuEngine, expert_weight_table
 from megatron_rlvr.rollout.protocol import SamplingParams
 from megatron_rlvr.rollout.server import WeightUpdates
 
+# fp32 KV-cached decoding against HF's full teacher-forced forward: up to 1.0e-5 seen after a few
+# hundred tokens (|logprob| up to 6.5); the weights that computed a token differ by > 1e-2
+LOGPROB_TOL = 5e-5
+
 
 @pytest.fixture(scope="module")
 def engine(tiny_hf_dir):
@@ -49,10 +53,10 @@ def test_newcomers_join_a_running_batch_and_leave_it_when_done(engine, tiny_hf_d
     long.future.result(timeout=300)
     for seq, prompt in zip(joiners, prompts):
         want_logp, want_routing = hf_teacher_forced(tiny_hf_dir, prompt, seq.output_ids, 0.7)
-        assert (torch.tensor(seq.logprobs) - want_logp).abs().max() <= 1e-5
+        assert (torch.tensor(seq.logprobs) - want_logp).abs().max() <= LOGPROB_TOL
         assert np.array_equal(np.stack(seq.routing), want_routing.numpy())
     want_logp, _ = hf_teacher_forced(tiny_hf_dir, [3, 1, 4], long.output_ids, 0.7)
-    assert (torch.tensor(long.logprobs) - want_logp).abs().max() <= 1e-5
+    assert (torch.tensor(long.logprobs) - want_logp).abs().max() <= LOGPROB_TOL
     for i, (seq, prompt) in enumerate(zip(joiners, prompts)):  # the same seed alone: the same tokens
         (alone,) = engine.submit(prompt, _params(6, 10 + i), None)
         assert alone.future.result(timeout=60).output_ids == seq.output_ids
@@ -100,7 +104,7 @@ def test_a_sequence_spans_two_versions_with_the_logprobs_of_each(tiny_hf_dir, mo
     # retracted, every position is routed again under the new weights
     kept = np.array_equal(routing[:fed_under_old], old_routing[:fed_under_old].numpy())
     assert kept == (mode == "in_place")
-    assert (got[:switch] - old_logp[:switch]).abs().max() <= 1e-5
+    assert (got[:switch] - old_logp[:switch]).abs().max() <= LOGPROB_TOL
     out = seq.output_ids
     with torch.no_grad():
         if mode == "retract":  # the KV is recomputed: the new weights over the whole sequence
@@ -112,5 +116,5 @@ def test_a_sequence_spans_two_versions_with_the_logprobs_of_each(tiny_hf_dir, mo
             rest = new_model(torch.tensor([out[switch - 1 : -1]]), past_key_values=cache, use_cache=True).logits[0]
             logits = torch.cat([torch.zeros(switch, rest.shape[-1]), rest])
     new_logp = torch.log_softmax(logits / 0.7, -1).gather(-1, torch.tensor(out)[:, None]).squeeze(-1)
-    assert (got[switch:] - new_logp[switch:]).abs().max() <= 1e-5
+    assert (got[switch:] - new_logp[switch:]).abs().max() <= LOGPROB_TOL
     assert (got[switch:] - old_logp[switch:]).abs().max() > 1e-2  # the new weights did compute them

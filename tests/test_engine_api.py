@@ -231,6 +231,8 @@ def hf_continued(old_dir, new_dir, prompt: list[int], output: list[int], switch:
     return logp.squeeze(-1), routing
 
 
+@pytest.mark.slow  # when the sync lands depends on the machine's load (10 to 215 tokens seen), and
+# the default tier covers the CPU engine's side in process (test_continuous_batching.py)
 @pytest.mark.parametrize("mode", ["in_place", "retract"])
 def test_routed_experts_of_a_sequence_a_sync_lands_in(api_engine, tiny_hf_dir, tmp_path, mode):
     """What R3 replays for a sequence a weight sync lands in (rollout.updates = in_flight):
@@ -278,7 +280,8 @@ def test_routed_experts_of_a_sequence_a_sync_lands_in(api_engine, tiny_hf_dir, t
     new_logp, new_routing = hf_teacher_forced(updated, prompt, out, 1.0)
     late = 1 if mode == "in_place" and api_engine.kind != "cpu" else 0  # SGLang's overlap scheduler
     switch = spans[1]["start"] + late  # the first token the new weights computed (checked below)
-    assert (got[:switch] - old_logp[:switch]).abs().max() <= api_engine.tolerance
+    # fp32 KV-cached decoding vs HF's full forward drifts to ~1e-5 over a few hundred tokens
+    assert (got[:switch] - old_logp[:switch]).abs().max() <= max(api_engine.tolerance, 5e-5)
     before = len(prompt) + switch - 1  # positions fed (and routed) by the old weights
     routed = decode_routed_experts(meta["routed_experts"], num_layers=2, top_k=2, num_experts=4, sample=mode)
     assert len(routed) == len(prompt) + len(out) - 1
