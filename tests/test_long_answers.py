@@ -65,3 +65,14 @@ def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
     assert verify_working("45-7=38 #### 3", record) == 0.0  # the right answer, guessed
     assert verify_working(worked_solution(45, 7).replace("31", "30", 1), record) == 0.0
     assert verify_math("45-7=38 #### 3", "3") == 1.0  # the math verifier reads the answer only
+
+
+def test_the_problem_counts_are_the_space_the_draws_come_from():
+    from megatron_rlvr.data.long_answers import problem_counts
+
+    spec = LongAnswerSource(num_prompts=3000, max_divisor=5, max_steps=24, split="all", seed=3)
+    counts = problem_counts(spec)
+    assert counts["all"] == 48 + 72 + 96 + 120 and counts["train"] + counts["heldout"] == counts["all"]
+    rng = random.Random(spec.seed)
+    drawn = {draw_problem(rng, spec) for _ in range(spec.num_prompts)}
+    assert len(drawn) <= counts["all"] and sum(is_heldout(n, d) for n, d in drawn) <= counts["heldout"]

@@ -11,7 +11,7 @@ more steps to get wrong. worked_examples() writes solutions for the supervised c
 each step wrong with a given probability (a wrong step carries through to a wrong answer):
 imitating them leaves room for RL.
 
-    python tools/long_answer_stats.py [num_prompts [max_divisor]]   # the length statistics
+    python tools/long_answer_stats.py [num_prompts [max_divisor [max_steps]]]   # lengths, problem counts
 """
 
 from __future__ import annotations
@@ -107,21 +107,38 @@ def length_statistics(spec: LongAnswerSource) -> dict[str, float]:
     }
 
 
+def problem_counts(spec: LongAnswerSource) -> dict[str, int]:
+    """How many distinct problems spec's settings can draw (n = k·d + r with 1 ≤ k ≤ max_steps,
+    2 ≤ d ≤ max_divisor, 0 ≤ r < d), and how many of them are in each split. A small space is
+    memorised by the cold start: its held-out pass@1 then says little about a training one."""
+    problems = [
+        (k * d + r, d) for d in range(2, spec.max_divisor + 1) for k in range(1, spec.max_steps + 1) for r in range(d)
+    ]
+    heldout = sum(is_heldout(n, d) for n, d in problems)
+    return {"all": len(problems), "train": len(problems) - heldout, "heldout": heldout}
+
+
 def _problems(spec: LongAnswerSource) -> list[tuple[int, int]]:
     rng = random.Random(spec.seed)
     return [draw_problem(rng, spec) for _ in range(spec.num_prompts)]
 
 
 def main(argv: list[str]) -> int:
-    """argv: [num_prompts [max_divisor]]."""
-    spec = LongAnswerSource(num_prompts=int(argv[0]) if argv else 512, max_divisor=int(argv[1]) if len(argv) > 1 else 9)
+    """argv: [num_prompts [max_divisor [max_steps]]]."""
+    spec = LongAnswerSource(
+        num_prompts=int(argv[0]) if argv else 512,
+        max_divisor=int(argv[1]) if len(argv) > 1 else 9,
+        max_steps=int(argv[2]) if len(argv) > 2 else 24,
+    )
     stats = length_statistics(spec)
     print(
-        f"long_answers ({spec.num_prompts} problems, divisors 2..{spec.max_divisor}, seed {spec.seed}): "
-        "correct responses in tokens"
+        f"long_answers ({spec.num_prompts} problems, divisors 2..{spec.max_divisor}, "
+        f"1..{spec.max_steps} steps, seed {spec.seed}): correct responses in tokens"
     )
     for key, value in stats.items():
         print(f"  {key:>16}: {value:g}")
+    counts = problem_counts(spec)
+    print(f"  distinct problems: {counts['all']} ({counts['train']} train, {counts['heldout']} held out)")
     n, d = _problems(spec)[0]
     print(f"  example: {prompt_text(n, d)} → {worked_solution(n, d)}")
     return 0
