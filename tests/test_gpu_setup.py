@@ -126,18 +126,22 @@ def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_pa
     assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
 
 
-def test_gpu_check_runs_chosen_steps_past_a_failure_with_another_python(tmp_path):
-    # --only picks steps, --keep-going reports every failure, GPU_CHECK_PYTHON replaces .venv
-    # (a GPU machine's own Python, with the rest on PYTHONPATH: docs/gpu-check-report.md)
-    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable}
-    listed = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", "submit,learner-hf"],
+def _dry_run(only: str, env: dict) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", only],
         capture_output=True,
         text=True,
         timeout=60,
         cwd=REPO,
         env=env,
     )
+
+
+def test_gpu_check_runs_chosen_steps_past_a_failure_with_another_python(tmp_path):
+    # --only picks steps, --keep-going reports every failure, GPU_CHECK_PYTHON replaces .venv
+    # (a GPU machine's own Python, with the rest on PYTHONPATH: docs/gpu-check-report.md)
+    env = {**os.environ, "GPU_CHECK_PYTHON": sys.executable}
+    listed = _dry_run("submit,learner-hf", env)
     assert listed.returncode == 0, listed.stderr
     assert [line.split(":")[0] for line in listed.stdout.splitlines() if line[:1].isdigit()] == [
         "1. learner-hf",
@@ -147,13 +151,7 @@ def test_gpu_check_runs_chosen_steps_past_a_failure_with_another_python(tmp_path
         f"{sys.executable} -m pytest -m gpu" in listed.stdout
         and f"{sys.executable} -m megatron_rlvr.cli submit" in listed.stdout
     )
-    bad = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--dry-run", "--only", "nope"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=REPO,
-    )
+    bad = _dry_run("nope", dict(os.environ))
     assert bad.returncode == 2 and "no such step ['nope']" in bad.stderr
     done = subprocess.run(
         [
