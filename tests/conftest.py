@@ -12,11 +12,23 @@ USER_OUTPUT_DIRS = ("runs", "outputs")
 VOCAB = 96  # divisible by every tensor-parallel size the tests use
 
 
+# modules that count the code sandbox's processes or folders machine-wide: under pytest-xdist
+# they share one worker, so one module's sandboxes never show up in another's count
+SANDBOX_COUNTING_MODULES = {"test_code_attacks", "test_code_verifier", "test_errors", "test_sandbox_pool"}
+
+
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests (opt-in: -m gpu) skip, saying why, where torch sees no CUDA device. On a GPU
-    machine whose torch cannot use it, scripts/gpu_check.py stops at its inventory step first."""
+    machine whose torch cannot use it, scripts/gpu_check.py stops at its inventory step first.
+
+    Under pytest-xdist (the README's test command: `-n 2 --dist loadgroup`) each module's tests
+    run on one worker, so a module-scoped fixture (an engine server, a comparison) is built once."""
     import torch
 
+    if config.pluginmanager.hasplugin("xdist"):
+        for item in items:
+            module = item.module.__name__
+            item.add_marker(pytest.mark.xdist_group("sandbox" if module in SANDBOX_COUNTING_MODULES else module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; torch sees none")

@@ -224,5 +224,7 @@ def test_an_in_flight_r3_run_replays_the_routing_that_produced_every_token(tmp_p
         assert 0 <= m["staleness/min"] <= m["staleness/mean"] <= m["staleness/max"] <= 2
         assert 0.0 <= m["staleness/mixed_version_share"] <= 1.0
         assert m["train/routing_agreement_engine_used"] == 1.0
-        assert m["loop/tokens_per_s"] > 0 and 0.0 < m["loop/engine_busy_fraction"]
+        # a step whose batch was filled by groups that finished before it began generated nothing in it
+        assert m["loop/tokens_per_s"] >= 0 and 0.0 <= m["loop/engine_busy_fraction"] <= 1.0
         assert m["buffer/used"] == 4 * m["step"]
+    assert sum(m["loop/tokens_per_s"] for m in metrics) > 0 and any(m["loop/engine_busy_fraction"] for m in metrics)
