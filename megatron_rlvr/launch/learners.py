@@ -32,8 +32,13 @@ class LearnerRank:
         self.clients: list = []
         self.joined = False
         self.loop = asyncio.new_event_loop()
-        if cfg.parallel.device == "cpu":  # ranks of one node share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        cores = cfg.launch.learner_cpus
+        if cores is not None:  # apart from the engines' cores (launch.engine_cpus), as on separate GPUs
+            from megatron_rlvr.rollout.launcher import pin_process
+
+            pin_process(os.getpid(), cores, f"learner rank {rank} (launch.learner_cpus)")
+        if cfg.parallel.device == "cpu":  # ranks of one node share its (or their pinned) cores
+            torch.set_num_threads(max(1, (len(cores) if cores else os.cpu_count() or 1) // world_size))
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other ranks meet this one (asked of rank 0)."""
