@@ -297,6 +297,30 @@ def test_an_engine_runs_on_its_launch_engine_cpus_and_so_does_what_it_starts(tmp
         server.stop()
 
 
+LEARNER = textwrap.dedent("""
+    import os, sys
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.launch.learners import LearnerRank
+    before = os.sched_getaffinity(0)
+    rank = LearnerRank(load_config(sys.argv[1], sys.argv[2:]), "/m", 0, 1)
+    import torch
+    print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    rank.close()
+    print(os.sched_getaffinity(0) == before)
+""")
+
+
+def test_a_learner_runs_on_its_launch_learner_cpus_until_it_closes():
+    core = max(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", LEARNER, TINY, f"launch.learner_cpus=[{core}]", "launch.mode=local"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.splitlines() == [f"[{core}] 1", "True"], done.stderr[-2000:]
+
+
 def test_cores_a_node_has_not_got_are_one_line_and_leave_nothing_running(tmp_path):
     script = "import time; time.sleep(600)"
     server = ServerProcess(
