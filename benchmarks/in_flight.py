@@ -12,12 +12,12 @@ eval set) after the last step. The last line is `ratio: X`, in-flight over synch
 
 The cold start must exist: `megatron-rlvr sft configs/long-answers-sft-cpu.yaml` writes
 runs/long-answers-sft/hf (about 6 minutes on 2 cores); this script does not run it, so its own
-time is the modes' alone. A plain run (one seed, the CPU engine, 12 steps of 8 groups of 8)
+time is the modes' alone. A plain run (one seed, the CPU engine, 16 steps of 8 groups of 8)
 takes about 15 minutes on 2 cores. --full runs the whole table: 3 seeds, the CPU engine and real
 SGLang on CPU (.venv-sglang), held-out pass@1 every 4 steps, and the wall time to the pass@1
 every run reaches.
 
-    .venv/bin/python benchmarks/in_flight.py [--cold-start DIR] [--steps 12] [--full] [key=value ...]
+    .venv/bin/python benchmarks/in_flight.py [--cold-start DIR] [--steps 16] [--full] [key=value ...]
 """
 
 from __future__ import annotations
@@ -141,7 +141,7 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cold-start", type=Path, default=REPO / "runs" / "long-answers-sft" / "hf")
-    parser.add_argument("--steps", type=int, default=12, help="steps per run (the first is not timed)")
+    parser.add_argument("--steps", type=int, default=16, help="steps per run (the first is not timed)")
     parser.add_argument("--full", action="store_true", help="3 seeds, the CPU engine and real SGLang")
     parser.add_argument("--seeds", type=int, help="seeds per mode (default 1, with --full 3)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, help="default cpu, with --full cpu sglang")

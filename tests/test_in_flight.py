@@ -208,7 +208,7 @@ def test_staleness_metrics_need_counted_tokens():
     assert staleness_metrics(batch, 1) == {}
 
 
-@pytest.mark.parametrize("mode", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # ray: ~2 min
+@pytest.mark.parametrize("mode", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # ray: ~2-3 min
 def test_an_in_flight_r3_run_replays_the_routing_that_produced_every_token(mode, tmp_path):
     """End to end (CPU engine, in this process or as Ray actors): syncs land while groups
     generate, every token's staleness stays within the bound, and R3 replays the engine's
