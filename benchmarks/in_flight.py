@@ -156,19 +156,18 @@ def main() -> None:
     seeds, interval = range(args.seeds or (3 if args.full else 1)), 4 if args.full else 0
     ratios, cores = {}, core_split()
     for engine in engines:
-        runs = {
-            mode: [
-                measure(
-                    args.cold_start.resolve(),
-                    args.steps,
-                    seed,
-                    interval,
-                    [*cores, *ENGINES[engine], *extra, *args.overrides],
+        runs: dict[str, list[dict]] = {mode: [] for mode in MODES}
+        for mode, extra in MODES.items():
+            for seed in seeds:
+                overrides = [*cores, *ENGINES[engine], *extra, *args.overrides]
+                run = measure(args.cold_start.resolve(), args.steps, seed, interval, overrides)
+                runs[mode].append(run)
+                print(  # each run as it ends, so a cut-short table keeps what was measured
+                    f"{engine} {mode} seed {seed}: {run['tokens_per_s']:.0f} tokens/s, engine idle "
+                    f"{run['engine_idle']:.2f}, pass@1 "
+                    + ", ".join(f"{p:.3f} after {t:.0f} s" for t, p in run["passes"]),
+                    flush=True,
                 )
-                for seed in seeds
-            ]
-            for mode, extra in MODES.items()
-        }
         ratios[engine] = table(engine, runs)
     print(f"ratio: {ratios.get('cpu', ratios[engines[0]]):.2f}")
 
