@@ -12,10 +12,11 @@ eval set) after the last step. The last line is `ratio: X`, in-flight over synch
 
 The cold start must exist: `megatron-rlvr sft configs/long-answers-sft-cpu.yaml` writes
 runs/long-answers-sft/hf (about 6 minutes on 2 cores); this script does not run it, so its own
-time is the modes' alone. A plain run (one seed, the CPU engine, 16 steps of 8 groups of 8)
-takes about 15 minutes on 2 cores. --full runs the whole table: 3 seeds, the CPU engine and real
-SGLang on CPU (.venv-sglang), held-out pass@1 every 4 steps, and the wall time to the pass@1
-every run reaches.
+time is the modes' alone. A plain run (one seed, the CPU engine, 16 steps of 8 groups of 8 up to
+256 tokens, the config's own batch) took 6 minutes on 2 cores. --full runs the whole table:
+3 seeds, the CPU engine and real SGLang on CPU (.venv-sglang), held-out pass@1 every 4 steps,
+and the step seconds until pass@1 first reaches the highest value every run reaches (the steps
+right after an evaluation are not timed: generation went on during it).
 
     .venv/bin/python benchmarks/in_flight.py [--cold-start DIR] [--steps 16] [--full] [key=value ...]
 """
@@ -90,7 +91,8 @@ def measure(cold_start: Path, steps: int, seed: int, eval_interval: int, overrid
             passes.append((elapsed, m[PASS]))
     return {
         "tokens_per_s": sum(m["rollout/tokens"] for m in timed) / sum(m["time/step_s"] for m in timed),
-        "engine_idle": 1 - statistics.fmean(m["loop/engine_busy_fraction"] for m in timed),
+        # busy spans are counted to the moment the fraction is read, a little after the step's end: at most 1 idle
+        "engine_idle": max(0.0, 1 - statistics.fmean(m["loop/engine_busy_fraction"] for m in timed)),
         "learner_busy": statistics.fmean(m["loop/learner_busy_fraction"] for m in timed),
         "learner_s": statistics.fmean(m["loop/learner_busy_fraction"] * m["time/step_s"] for m in timed),
         "staleness": statistics.fmean(m.get("staleness/mean", 0.0) for m in timed),
@@ -117,10 +119,12 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
     """Prints one engine's rows (mean ± std over seeds); returns in-flight over sync tokens/s."""
     best = [max(p for _, p in run["passes"]) for mode_runs in runs.values() for run in mode_runs]
     target = min(best)  # the held-out pass@1 every run reaches at some evaluation
-    print(f"\nengine {engine}; wall = step seconds until held-out pass@1 first reaches {target:.3f}")
+    curves = any(len(run["passes"]) > 1 for mode_runs in runs.values() for run in mode_runs)
+    print(f"\nengine {engine}" + (f"; wall = step seconds until held-out pass@1 first reaches {target:.3f}" * curves))
     columns = ("tokens/s", "engine idle", "learner busy", "learner s/step", "staleness", "reward/step", "pass@1")
-    print("| mode | " + " | ".join(columns) + " | wall to it |")
-    print("|---" * (len(columns) + 2) + "|")
+    columns += ("wall to it",) * curves
+    print("| mode | " + " | ".join(columns) + " |")
+    print("|---" * (len(columns) + 1) + "|")
     rate = {}
     for mode, mode_runs in runs.items():
         rate[mode] = statistics.fmean(r["tokens_per_s"] for r in mode_runs)
@@ -128,7 +132,8 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
         cells = [spread([r["tokens_per_s"] for r in mode_runs], 0)]
         keys = ("engine_idle", "learner_busy", "learner_s", "staleness", "reward", "pass1")
         cells += [spread([r[key] for r in mode_runs]) for key in keys]
-        print(f"| {mode} | " + " | ".join(cells) + f" | {spread([w for w in walls if w is not None], 0)} s |")
+        cells += [f"{spread([w for w in walls if w is not None], 0)} s"] * curves
+        print(f"| {mode} | " + " | ".join(cells) + " |")
     for mode, mode_runs in runs.items():  # a step trained on the buffer's surplus alone scored nothing: –
         per_step = zip(*(r["rewards"] for r in mode_runs), strict=True)
         print(f"{mode:>9} reward per step: " + " ".join(spread([x for x in s if x == x]) for s in per_step))
