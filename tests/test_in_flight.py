@@ -3,7 +3,11 @@ the step's staleness metrics; the sampler files groups as they finish and keeps 
 generating between fills; the config refuses the combinations in-flight updates cannot honour."""
 
 import asyncio
+import os
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -204,21 +208,30 @@ def test_staleness_metrics_need_counted_tokens():
     assert staleness_metrics(batch, 1) == {}
 
 
-def test_an_in_flight_r3_run_replays_the_routing_that_produced_every_token(tmp_path):
-    """End to end (CPU engine, local mode): syncs land while groups generate, every token's
-    staleness stays within the bound, and R3 replays the engine's routing exactly, for tokens
-    generated before a sync as for those after it."""
+@pytest.mark.parametrize("mode", ["local", pytest.param("ray", marks=pytest.mark.slow)])  # ray: ~2-3 min
+def test_an_in_flight_r3_run_replays_the_routing_that_produced_every_token(mode, tmp_path):
+    """End to end (CPU engine, in this process or as Ray actors): syncs land while groups
+    generate, every token's staleness stays within the bound, and R3 replays the engine's
+    routing exactly, for tokens generated before a sync as for those after it."""
     from test_train_e2e import train
 
-    metrics, _ = train(
-        tmp_path,
-        "launch.mode=local",
-        "algo.routing_replay=r3",
-        "rollout.updates=in_flight",
-        "weight_sync.pause_mode=in_place",
-        "buffer.max_staleness=2",
-        "rollout.max_new_tokens=96",
-    )
+    cores = sorted(os.sched_getaffinity(0))
+    pinned = [f"launch.learner_cpus={cores[:1]}", f"launch.engine_cpus={cores[1:]}"] if mode == "ray" else []
+    temp = Path(tempfile.mkdtemp(prefix="t-", dir="/tmp"))  # Ray's Unix socket paths stay under 108 bytes
+    try:
+        metrics, _ = train(
+            tmp_path,
+            f"launch.mode={mode}",
+            "algo.routing_replay=r3",
+            "rollout.updates=in_flight",
+            "weight_sync.pause_mode=in_place",
+            "buffer.max_staleness=2",
+            "rollout.max_new_tokens=96",
+            *(pinned if len(cores) > 1 else []),  # the actors pin themselves
+            env={"TMPDIR": str(temp)},
+        )
+    finally:
+        shutil.rmtree(temp, ignore_errors=True)
     assert [m["step"] for m in metrics] == [1, 2, 3]
     for m in metrics:
         assert 0 <= m["staleness/min"] <= m["staleness/mean"] <= m["staleness/max"] <= 2

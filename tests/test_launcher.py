@@ -12,7 +12,9 @@ import psutil
 import pytest
 
 from megatron_rlvr.config import ConfigError, CpuEngine, SglangEngine, load_config
-from megatron_rlvr.launch.placement import engine_gpus
+from megatron_rlvr.errors import UserError
+from megatron_rlvr.launch.placement import InProcess, RayActors, engine_gpus
+from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import launcher
 from megatron_rlvr.rollout.launcher import EngineStartError, ServerProcess, cpu_binding, engine_process, failure_reason
 
@@ -35,6 +37,8 @@ def test_cpu_engine_command(tmp_path):
         "30100",
         "--dtype",
         "bfloat16",
+        "--threads",
+        "1",
         "--enable-return-routed-experts",
     ]
     assert proc.url == "http://127.0.0.1:30100" and proc.log_path == tmp_path / "engine-30100.log"
@@ -114,6 +118,23 @@ def test_missing_sglang_is_one_clear_error(monkeypatch, tmp_path):
         engine_process("/m", SglangEngine(), host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path)
 
 
+def test_engines_get_contiguous_shares_of_launch_engine_cpus_and_threads_to_match(tmp_path):
+    cores = [
+        "launch.ray_address=127.0.0.1:6379",
+        "launch.engine_cpus=[4,5,6,7]",
+    ]  # another node's cores: not checked here
+    cfg = load_config(TINY, [*cores, "rollout.num_engines=2"])
+    assert [RayActors(cfg).engine_cpus(i) for i in range(2)] == [[4, 5], [6, 7]]
+    assert InProcess(load_config(TINY)).engine_cpus(0) is None
+    cpu = engine_process(
+        "/m", CpuEngine(), host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path, cpus=[4, 5]
+    )
+    assert cpu.command[cpu.command.index("--threads") + 1] == "2" and cpu.cpus == [4, 5]
+    sglang = SglangEngine(device="cpu", python="/opt/sglang/bin/python", tp=2)
+    proc = engine_process("/m", sglang, host="127.0.0.1", port=1, routed_experts=False, log_dir=tmp_path, cpus=[6, 7])
+    assert proc.env["SGLANG_CPU_OMP_THREADS_BIND"] == "6|7" and proc.cpus == [6, 7]
+
+
 def test_local_engines_get_the_gpus_after_the_learners():
     assert [engine_gpus(None, i, 2) for i in range(3)] == [[1, 2], [3, 4], [5, 6]]
     assert [engine_gpus([0, 0, 1, 1], i, 2) for i in range(2)] == [[0, 0], [1, 1]]
@@ -152,6 +173,12 @@ SGLANG = ["rollout.engine.type=sglang", "rollout.engine.device=cpu"]
         (
             SGLANG + [f"rollout.engine.python={sys.executable}"],
             "has no SGLang (build one with bash scripts/setup_sglang_cpu.sh",
+        ),
+        (["launch.engine_cpus=[4096]"], "launch.engine_cpus = [4096]: core 4096 is not one this process may run on"),
+        (["launch.learner_cpus=[0, 0]"], "launch.learner_cpus = [0, 0]: core 0 is listed twice"),
+        (
+            ["launch.engine_cpus=[0]", "rollout.num_engines=2"],
+            "launch.engine_cpus = [0]: fewer cores than rollout.num_engines (2)",
         ),
         (
             SGLANG + ["rollout.engine.python=/nonexistent/python"],
@@ -231,6 +258,77 @@ def test_a_server_that_hangs_is_stopped_with_its_children_after_the_timeout(tmp_
     child = int((tmp_path / "h.log").read_text().split()[0])
     assert not psutil.pid_exists(child) or psutil.Process(child).status() == psutil.STATUS_ZOMBIE
     assert proc.watchdog.poll() is not None
+
+
+HEALTHY_PARENT = textwrap.dedent("""
+    import http.server, subprocess, sys
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print(child.pid, flush=True)
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200)
+            self.end_headers()
+    http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), Health).serve_forever()
+""")
+
+
+def test_an_engine_runs_on_its_launch_engine_cpus_and_so_does_what_it_starts(tmp_path):
+    core = max(os.sched_getaffinity(0))
+    cfg = load_config(TINY, [f"launch.engine_cpus=[{core}]", "launch.mode=local"])
+    port = free_port()
+    server = engine_process(
+        "/m",
+        cfg.rollout.engine,
+        host="127.0.0.1",
+        port=port,
+        routed_experts=False,
+        log_dir=tmp_path,
+        cpus=InProcess(cfg).engine_cpus(0),
+    )
+    server.command = [sys.executable, "-c", HEALTHY_PARENT, str(port)]  # the launcher's start, a light server
+    try:
+        server.start(ready_timeout_s=60)
+        child = int(server.log_path.read_text().split()[0])
+        for pid in (server.proc.pid, child):
+            status = open(f"/proc/{pid}/status").read()
+            assert f"Cpus_allowed_list:\t{core}\n" in status and os.sched_getaffinity(pid) == {core}
+        assert b"OMP_NUM_THREADS=1\0" in open(f"/proc/{server.proc.pid}/environ", "rb").read()
+    finally:
+        server.stop()
+
+
+LEARNER = textwrap.dedent("""
+    import os, sys
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.launch.learners import LearnerRank
+    before = os.sched_getaffinity(0)
+    rank = LearnerRank(load_config(sys.argv[1], sys.argv[2:]), "/m", 0, 1)
+    import torch
+    print(sorted(os.sched_getaffinity(0)), torch.get_num_threads())
+    rank.close()
+    print(os.sched_getaffinity(0) == before)
+""")
+
+
+def test_a_learner_runs_on_its_launch_learner_cpus_until_it_closes():
+    core = max(os.sched_getaffinity(0))
+    done = subprocess.run(
+        [sys.executable, "-c", LEARNER, TINY, f"launch.learner_cpus=[{core}]", "launch.mode=local"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.stdout.splitlines() == [f"[{core}] 1", "True"], done.stderr[-2000:]
+
+
+def test_cores_a_node_has_not_got_are_one_line_and_leave_nothing_running(tmp_path):
+    script = "import time; time.sleep(600)"
+    server = ServerProcess(
+        [sys.executable, "-c", script], "127.0.0.1", 9, tmp_path / "p.log", name="engine 1", cpus=[4096]
+    )
+    with pytest.raises(UserError, match=r"^engine 1 \(http://127.0.0.1:9\) cannot be pinned to cores \[4096\]: "):
+        server.start(ready_timeout_s=5)
+    assert server.proc.poll() is not None and server.watchdog is None
 
 
 OWNER = textwrap.dedent("""

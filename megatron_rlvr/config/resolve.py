@@ -213,6 +213,11 @@ def _engine_problems(cfg: Config) -> list[str]:
         problems.append("weight_sync.backend = nccl: NCCL needs parallel.device = cuda")
     elif sync.backend == "nccl" and (isinstance(engine, CpuEngine) or engine.device == "cpu"):
         problems.append("weight_sync.backend = nccl: the engines run on CPU and receive over gloo (set gloo or auto)")
+    cores = cfg.launch.engine_cpus
+    if cores is not None and len(cores) < r.num_engines:
+        problems.append(
+            f"launch.engine_cpus = {cores}: fewer cores than rollout.num_engines ({r.num_engines}), one share each"
+        )
     if not isinstance(engine, SglangEngine):
         return problems
     if engine.tp % engine.ep:

@@ -3,6 +3,7 @@ weight sync, trainer, logging, launch) and `Config`, the whole tree a YAML file 
 
 from __future__ import annotations
 
+import os
 from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
@@ -472,6 +473,41 @@ class LaunchConfig(Section):
     ray_address: str | None = Field(None, description="None: start a local Ray")
     num_cpus: PositiveInt | None = Field(None, description="local Ray CPUs; None: all")
     object_store_mb: PositiveInt = Field(512, description="local Ray object store size")
+    learner_cpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="cores the learner runs on, its torch threads as many (local mode: this process, the loop "
+        "and verifiers with it; ray: each learner rank's actor); None: not pinned",
+    )
+    engine_cpus: list[Annotated[int, Field(ge=0)]] | None = Field(
+        None,
+        min_length=1,
+        description="cores the engine servers run on, in contiguous shares one per engine, a CPU engine's torch "
+        "threads and SGLang's SGLANG_CPU_OMP_THREADS_BIND to match; apart from learner_cpus, generation and "
+        "training do not compete for cores, as on separate GPUs; None: not pinned",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> LaunchConfig:
+        _raise([problem for name in ("learner_cpus", "engine_cpus") for problem in self._core_problems(name)])
+        return self
+
+    def _core_problems(self, name: str) -> list[str]:
+        """Cores listed twice, or (when this machine runs the run: no ray_address) not ones this
+        process may run on."""
+        cores = getattr(self, name)
+        if cores is None:
+            return []
+        twice = sorted({c for c in cores if cores.count(c) > 1})
+        if twice:
+            return [f"launch.{name} = {cores}: core {twice[0]} is listed twice"]
+        if not hasattr(os, "sched_getaffinity"):
+            return [f"launch.{name}: pinning to cores needs Linux (os.sched_setaffinity)"]
+        allowed = sorted(os.sched_getaffinity(0))
+        missing = [c for c in cores if c not in allowed]
+        if missing and self.ray_address is None:
+            return [f"launch.{name} = {cores}: core {missing[0]} is not one this process may run on {allowed}"]
+        return []
 
 
 class Config(Section):

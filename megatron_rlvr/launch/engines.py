@@ -27,11 +27,13 @@ class EngineHost:
         index: int = 0,
         gpus: list[int] | None = None,
         api_key: str | None = None,
+        cpus: list[int] | None = None,
     ):
         """gpus: the GPU ids the server may see (None: as the process environment says);
-        api_key: the run's key, which every request but /health must carry."""
+        api_key: the run's key, which every request but /health must carry; cpus: the cores
+        the server runs on (None: any)."""
         self.cfg, self.model_dir, self.log_dir, self.index, self.gpus = cfg, model_dir, log_dir, index, gpus
-        self.api_key = api_key
+        self.api_key, self.cpus = api_key, cpus
         self.server: ServerProcess | None = None
         self.closed = False  # stop() came (perhaps while start() was on its way)
 
@@ -53,6 +55,7 @@ class EngineHost:
             gpus=self.gpus,
             api_key=self.api_key,
             in_flight=rollout.updates == "in_flight",
+            cpus=self.cpus,
         )
         if self.closed:
             raise EngineStartError("the run stopped before this engine started")
@@ -101,7 +104,16 @@ class EngineFleet:
         log_dir = str(Path(cfg.trainer.output_dir) / "logs")
         self.hosts = [
             placement.place(
-                Role.ENGINE, EngineHost, cfg, str(model_dir), log_dir, i, placement.engine_gpus(i), api_key, index=i
+                Role.ENGINE,
+                EngineHost,
+                cfg,
+                str(model_dir),
+                log_dir,
+                i,
+                placement.engine_gpus(i),
+                api_key,
+                placement.engine_cpus(i),
+                index=i,
             )
             for i in range(cfg.rollout.num_engines)
         ]

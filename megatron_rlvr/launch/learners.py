@@ -17,6 +17,7 @@ from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.launch.cluster import node_ip
 from megatron_rlvr.launch.placement import Handle, Placement, Role, call_all, close_all
 from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.rollout.launcher import pin_process
 from megatron_rlvr.stopping import StopSignals
 
 if TYPE_CHECKING:
@@ -32,8 +33,13 @@ class LearnerRank:
         self.clients: list = []
         self.joined = False
         self.loop = asyncio.new_event_loop()
-        if cfg.parallel.device == "cpu":  # ranks of one node share its cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        cores = cfg.launch.learner_cpus
+        self.cores_before: list[int] | None = None  # what close() gives back to a pinned process
+        if cores is not None:  # apart from the engines' cores (launch.engine_cpus), as on separate GPUs
+            self.cores_before = sorted(os.sched_getaffinity(0))
+            pin_process(os.getpid(), cores, f"learner rank {rank} (launch.learner_cpus)")
+        if cfg.parallel.device == "cpu":  # ranks of one node share its (or their pinned) cores
+            torch.set_num_threads(max(1, (len(cores) if cores else os.cpu_count() or 1) // world_size))
 
     def rendezvous_address(self) -> tuple[str, int]:
         """Where the other ranks meet this one (asked of rank 0)."""
@@ -98,6 +104,8 @@ class LearnerRank:
         if self.joined:
             destroy_parallel()
         self.loop.close()
+        if self.cores_before is not None:  # a local run's process goes on (the next run checks its cores)
+            pin_process(os.getpid(), self.cores_before, f"learner rank {self.rank}")
 
 
 def engine_ranks(cfg: ResolvedConfig, num_engines: int) -> list[int]:

@@ -214,6 +214,15 @@ class Placement(ABC):
         process environment) decides them; None: leave CUDA_VISIBLE_DEVICES as it is."""
         return None
 
+    def engine_cpus(self, index: int) -> list[int] | None:
+        """The cores engine `index` runs on: its contiguous share of launch.engine_cpus (core ids
+        are the node's own, in either placement); None: not pinned."""
+        cores = self.cfg.launch.engine_cpus
+        if cores is None:
+            return None
+        per = len(cores) // self.cfg.rollout.num_engines
+        return cores[index * per : (index + 1) * per]
+
     @contextlib.contextmanager
     def session(self, temp_dir: str):
         """What this placement needs running for the whole run (a Ray session)."""

@@ -70,6 +70,7 @@ class ServerProcess:
     check_port: bool = True  # refuse at once when the port is taken
     api_key: str | None = field(default=None, repr=False)  # the run's key: health checks send it, logs never show it
     key_file: Path | None = None  # SGLang's --config file holding the key, written for each start
+    cpus: list[int] | None = None  # the cores the server and every process it starts run on; None: any
     proc: subprocess.Popen | None = field(default=None, repr=False)
     watchdog: subprocess.Popen | None = field(default=None, repr=False)
     log_copy: threading.Thread | None = field(default=None, repr=False)  # a keyed server's output → its log
@@ -89,7 +90,8 @@ class ServerProcess:
             raise EngineStartError(
                 f"{self.name} ({self.url}) cannot start: port {self.port} is in use; log: {self.log_path}"
             )
-        env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), **self.env}
+        threads = str(len(self.cpus)) if self.cpus else os.environ.get("OMP_NUM_THREADS", "1")
+        env = {**os.environ, "OMP_NUM_THREADS": threads, **self.env}
         with self._lock:
             if self.closed:
                 raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
@@ -105,6 +107,15 @@ class ServerProcess:
                     env=env,
                     start_new_session=True,
                 )
+            if self.cpus:  # before the server starts threads or processes, which inherit its cores
+                try:
+                    pin_process(self.proc.pid, self.cpus, f"{self.name} ({self.url})")
+                except UserError:
+                    self.proc.kill()
+                    self.proc.communicate()
+                    if self.key_file is not None:
+                        self.key_file.unlink(missing_ok=True)
+                    raise
             if self.api_key:
                 assert self.proc.stdout is not None
                 copy = (self.proc.stdout, self.log_path, self.api_key)
@@ -206,6 +217,18 @@ class ServerProcess:
         return "\n".join(_tail(self.log_path).splitlines()[-lines:])
 
 
+def pin_process(pid: int, cores: list[int], what: str) -> None:
+    """Every thread of process `pid` onto `cores` (threads and processes it starts later
+    inherit them); one line naming `what` when this machine has not got them."""
+    try:
+        for tid in os.listdir(f"/proc/{pid}/task"):
+            os.sched_setaffinity(int(tid), cores)
+    except OSError as err:
+        raise UserError(
+            f"{what} cannot be pinned to cores {cores}: {err.strerror} (this machine has {os.cpu_count()} cores)"
+        ) from None
+
+
 def write_private(path: Path, text: str) -> None:
     """A file only this user can read (created so: never readable by others, not even briefly)."""
     path.unlink(missing_ok=True)
@@ -297,7 +320,11 @@ def failure_reason(path: Path) -> str:
     return lines[-1][:300] if lines else "(empty log)"
 
 
-def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int, routed_experts: bool) -> list[str]:
+def cpu_engine_command(
+    model_dir: str, engine: CpuEngine, host: str, port: int, routed_experts: bool, threads: int = 1
+) -> list[str]:
+    """threads: torch's, one per core the engine is pinned to (1 unpinned: it shares the
+    machine with the learner)."""
     cmd = [
         sys.executable,
         "-m",
@@ -310,6 +337,8 @@ def cpu_engine_command(model_dir: str, engine: CpuEngine, host: str, port: int, 
         str(port),
         "--dtype",
         engine.dtype,
+        "--threads",
+        str(threads),
     ]
     return cmd + (["--enable-return-routed-experts"] if routed_experts else [])
 
@@ -359,14 +388,15 @@ def sglang_command(
     return cmd + list(engine.extra_args)  # last: argparse lets a later flag override ours
 
 
-def sglang_env(engine: SglangEngine, gpus: list[int] | None = None) -> dict[str, str]:
-    """CPU: the CPU platform, and one core set per TP rank (SGLang's default binds a rank per
-    NUMA node and refuses more ranks than nodes). CUDA: the engine's GPUs, when given."""
+def sglang_env(engine: SglangEngine, gpus: list[int] | None = None, cpus: list[int] | None = None) -> dict[str, str]:
+    """CPU: the CPU platform, and one core set per TP rank out of `cpus` (None: this process's
+    cores; SGLang's default binds a rank per NUMA node and refuses more ranks than nodes).
+    CUDA: the engine's GPUs, when given."""
     if engine.device == "cuda":
         return {} if gpus is None else {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))}
     env = {"SGLANG_USE_CPU_ENGINE": "1"}
     if "SGLANG_CPU_OMP_THREADS_BIND" not in os.environ:
-        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(sorted(os.sched_getaffinity(0)), engine.tp)
+        env["SGLANG_CPU_OMP_THREADS_BIND"] = cpu_binding(cpus or sorted(os.sched_getaffinity(0)), engine.tp)
     return env
 
 
@@ -392,24 +422,28 @@ def engine_process(
     gpus: list[int] | None = None,
     api_key: str | None = None,
     in_flight: bool = False,
+    cpus: list[int] | None = None,
 ) -> ServerProcess:
     """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors).
     api_key: what every request but /health must carry (None: the server checks nothing).
-    in_flight: the run's syncs land mid-sequence (rollout.updates = in_flight)."""
+    in_flight: the run's syncs land mid-sequence (rollout.updates = in_flight).
+    cpus: the cores the server runs on (launch.engine_cpus' share; None: any)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
     key_file = None
     if isinstance(engine, CpuEngine):
-        command = cpu_engine_command(model_dir, engine, host, port, routed_experts)
+        command = cpu_engine_command(model_dir, engine, host, port, routed_experts, len(cpus) if cpus else 1)
         env = {ENGINE_API_KEY_ENV: api_key} if api_key else {}
     else:
         command = sglang_command(model_dir, engine, host, port, routed_experts, in_flight)
-        env = sglang_env(engine, gpus)
+        env = sglang_env(engine, gpus, cpus)
         if api_key:  # SGLang reads no key from its environment: a --config file, not argv
             key_file = log_dir / f"engine-{port}.key.yaml"
             command += ["--config", str(key_file)]
     log_path = log_dir / f"engine-{port}.log"
-    return ServerProcess(command, host, port, log_path, name=name, env=env, api_key=api_key, key_file=key_file)
+    return ServerProcess(
+        command, host, port, log_path, name=name, env=env, api_key=api_key, key_file=key_file, cpus=cpus
+    )
 
 
 def _tail(path: Path, chars: int = 2000) -> str:

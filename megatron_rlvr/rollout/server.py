@@ -338,8 +338,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads: one per core the engine is pinned to")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     _exit_with_parent()
     engine = CpuEngine(
         args.model_path, dtype=args.dtype, max_batch=args.max_running_requests, weight_version=args.weight_version
