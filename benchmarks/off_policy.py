@@ -41,6 +41,7 @@ CORRECTIONS = {
 # the same for every run: eval only at the end, on 64 held-out prompts x 2 samples
 FIXED = ["eval.at_start=false", "eval.interval=0", "eval.n_samples=2", "trainer.save_interval=0"]
 PASS1 = "eval/heldout/pass@1"
+CORRECTED = "train/rollout_is_clipfrac"  # tokens whose correction weight was bounded or zeroed
 DEFAULT = "token TIS (C=2)"
 
 
@@ -73,8 +74,9 @@ def pm(values: list[float]) -> str:
     return f"{statistics.fmean(values):.3f}{std}"
 
 
-def cell_row(folder: Path, steps: int) -> tuple[int, str, str, str, str]:
-    """(finished seeds, held-out pass@1, reward first → last window, collapsed, mismatch KL)."""
+def cell_row(folder: Path, steps: int) -> tuple[int, str, str, str, str, str]:
+    """(finished seeds, held-out pass@1, reward first → last window, collapsed, mismatch KL,
+    share of tokens the correction changed)."""
     combo = an.Combo("grpo", 0, "none")
     runs = [
         an.RunResult(combo, seed, an.read_metrics(run / "metrics.jsonl"))
@@ -82,15 +84,17 @@ def cell_row(folder: Path, steps: int) -> tuple[int, str, str, str, str]:
         if (run / DONE).exists()
     ]
     if not runs:
-        return 0, "–", "–", "–", "–"
+        return 0, "–", "–", "–", "–", "–"
     window = an.window_size(steps)
     for run in runs:
-        an.summarise(run, ["reward/mean", an.MISMATCH], window)
+        an.summarise(run, ["reward/mean", an.MISMATCH, CORRECTED], window)
     passes = [an.series(r.rows, PASS1)[-1] for r in runs if an.series(r.rows, PASS1)]
     reward = f"{pm([r.summaries['reward/mean'].first for r in runs])} → {pm([r.summaries['reward/mean'].last for r in runs])}"
     collapsed = an.stability(runs, combo, window).collapses
     kl = statistics.fmean(r.summaries[an.MISMATCH].mean for r in runs if an.MISMATCH in r.summaries)
-    return len(runs), pm(passes), reward, f"{collapsed} of {len(runs)}", f"{kl:.1e}"
+    corrected = [r.summaries[CORRECTED].mean for r in runs if CORRECTED in r.summaries]
+    changed = f"{statistics.fmean(corrected):.2%}" if corrected else "–"
+    return len(runs), pm(passes), reward, f"{collapsed} of {len(runs)}", f"{kl:.1e}", changed
 
 
 def main() -> None:
@@ -107,8 +111,11 @@ def main() -> None:
         for setting, correction in cells():
             if stop.requested or run_cell(args.model, out, setting, correction, args.steps, args.seeds, stop):
                 raise SystemExit(f"stopped in cell {setting} / {correction}; the same command resumes")
-    print("| setting | correction | seeds | held-out pass@1 | reward, first → last window | collapsed | mismatch KL |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| setting | correction | seeds | held-out pass@1 | reward, first → last window | collapsed "
+        "| mismatch KL | tokens corrected |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     learning = measured = 0
     for setting, correction in sorted(cells(), key=lambda cell: list(SETTINGS).index(cell[0])):
         row = cell_row(cell_dir(out, setting, correction), args.steps)

@@ -28,7 +28,12 @@ def write_run(folder: Path, name: str, rewards: list[float | None], pass1: float
     run = folder / "runs" / name
     run.mkdir(parents=True)
     rows = [
-        {"step": step, "train/mismatch_k3_kl": 1e-3, **({"reward/mean": r} if r is not None else {})}
+        {
+            "step": step,
+            "train/mismatch_k3_kl": 1e-3,
+            "train/rollout_is_clipfrac": 0.01,
+            **({"reward/mean": r} if r is not None else {}),
+        }
         for step, r in enumerate(rewards, start=1)
     ]
     rows[-1]["eval/heldout/pass@1"] = pass1
@@ -42,11 +47,11 @@ def test_a_cell_counts_finished_seeds_and_collapses(bench, tmp_path):
     write_run(tmp_path, "grpo-k4-none-s0", steady, 0.4)
     write_run(tmp_path, "grpo-k4-none-s1", [0.6, 0.8, 0.8, 0.6, 0.6, 0.5, 0.5, 0.4, 0.3, 0.3], 0.2)
     write_run(tmp_path, "grpo-k4-none-s2", steady, 0.9, done=False)  # stopped: not counted
-    seeds, pass1, reward, collapsed, kl = bench.cell_row(tmp_path, steps=10)
+    seeds, pass1, reward, collapsed, kl, corrected = bench.cell_row(tmp_path, steps=10)
     assert seeds == 2 and collapsed == "1 of 2"  # s1's last window 0.3 < its best 0.8 - 0.1
     assert pass1 == "0.300 ± 0.141"
-    assert reward == "0.650 ± 0.071 → 0.450 ± 0.212" and kl == "1.0e-03"
+    assert reward == "0.650 ± 0.071 → 0.450 ± 0.212" and kl == "1.0e-03" and corrected == "1.00%"
 
 
 def test_an_empty_cell_prints_dashes(bench, tmp_path):
-    assert bench.cell_row(tmp_path, steps=10) == (0, "–", "–", "–", "–")
+    assert bench.cell_row(tmp_path, steps=10) == (0, "–", "–", "–", "–", "–")
