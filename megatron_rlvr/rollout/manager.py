@@ -244,8 +244,11 @@ class RolloutManager:
         return Group(item.prompt_id, group_id, samples, item.answer, aborted=aborted)
 
     def busy_fraction(self, wall_s: float) -> float:
-        """The engines' mean share of `wall_s` with a request running, since the last call."""
-        return sum(clock.take() for clock in self.busy) / (len(self.busy) * wall_s) if wall_s > 0 else 0.0
+        """The engines' mean share of `wall_s` with a request running, since the last call
+        (each engine's at most 1: its clock is read a moment after `wall_s` was)."""
+        if wall_s <= 0:
+            return 0.0
+        return sum(min(clock.take(), wall_s) for clock in self.busy) / (len(self.busy) * wall_s)
 
     async def restart_unanswering(self) -> list[int]:
         """Schedules a restart of every engine that does not answer /health and is not being
