@@ -91,8 +91,7 @@ def measure(cold_start: Path, steps: int, seed: int, eval_interval: int, overrid
             passes.append((elapsed, m[PASS]))
     return {
         "tokens_per_s": sum(m["rollout/tokens"] for m in timed) / sum(m["time/step_s"] for m in timed),
-        # busy spans are counted to the moment the fraction is read, a little after the step's end: at most 1 idle
-        "engine_idle": max(0.0, 1 - statistics.fmean(m["loop/engine_busy_fraction"] for m in timed)),
+        "engine_idle": 1 - statistics.fmean(m["loop/engine_busy_fraction"] for m in timed),
         "learner_busy": statistics.fmean(m["loop/learner_busy_fraction"] for m in timed),
         "learner_s": statistics.fmean(m["loop/learner_busy_fraction"] * m["time/step_s"] for m in timed),
         "staleness": statistics.fmean(m.get("staleness/mean", 0.0) for m in timed),
