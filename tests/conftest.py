@@ -21,20 +21,28 @@ def pytest_collection_modifyitems(config, items):
     """`gpu` tests (opt-in: -m gpu) skip, saying why, where torch sees no CUDA device. On a GPU
     machine whose torch cannot use it, scripts/gpu_check.py stops at its inventory step first.
 
-    Under pytest-xdist (the README's test command: `-n 2 --dist loadgroup`) each module's tests
-    run on one worker, so a module-scoped fixture (an engine server, a comparison) is built once."""
+    Under pytest-xdist (the README's test command: `-n 2 --dist loadgroup`) the tests of a module
+    that use one of its module-scoped fixtures (an engine server, a comparison) run on one worker,
+    so the fixture is built once; every other test goes to whichever worker is free."""
     import torch
 
     if config.pluginmanager.hasplugin("xdist"):
         for item in items:
             module = item.module.__name__
-            item.add_marker(pytest.mark.xdist_group("sandbox" if module in SANDBOX_COUNTING_MODULES else module))
+            if module in SANDBOX_COUNTING_MODULES:
+                item.add_marker(pytest.mark.xdist_group("sandbox"))
+            elif _uses_a_module_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(module))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device; torch sees none")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def _uses_a_module_fixture(item) -> bool:
+    return any(defs[-1].scope == "module" for defs in item._fixtureinfo.name2fixturedefs.values() if defs)
 
 
 def _user_outputs() -> dict[str, float]:

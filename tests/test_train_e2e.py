@@ -234,6 +234,7 @@ def kill_an_engine_mid_run(tmp_path, engines: int) -> tuple[list[dict], str]:
     return done, (tmp_path / "stderr.log").read_text()
 
 
+@pytest.mark.slow  # the same kill one level down, groups in flight moved and none lost: test_rollout_manager
 def test_an_engine_killed_mid_run_loses_no_group_and_rejoins(tmp_path):
     done, text = kill_an_engine_mid_run(tmp_path, 2)
     assert done[-1]["rollout/moved_groups"] >= 1  # killed with groups in flight: they went to the other engine
