@@ -17,6 +17,7 @@ VOCAB = 96  # divisible by every tensor-parallel size the tests use
 SANDBOX_COUNTING_MODULES = {"test_code_attacks", "test_code_verifier", "test_errors", "test_sandbox_pool"}
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the groups into the test ids
 def pytest_collection_modifyitems(config, items):
     """`gpu` tests (opt-in: -m gpu) skip, saying why, where torch sees no CUDA device. On a GPU
     machine whose torch cannot use it, scripts/gpu_check.py stops at its inventory step first.
@@ -76,7 +77,7 @@ def tiny_hf_dir(tmp_path_factory):
 
 # shipped configs that start from another command's output (the long-answer demo's RL stage
 # takes the cold start's export): checked with a model folder made here in its place
-STARTS_FROM_AN_EXPORT = {"long-answers-cpu.yaml"}
+STARTS_FROM_AN_EXPORT = {"long-answers-cpu.yaml", "compare-replay-long-cpu.yaml"}
 
 
 @pytest.fixture(scope="session")
