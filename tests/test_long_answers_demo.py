@@ -30,11 +30,14 @@ def command(name: str, config: Path, *overrides: str, timeout_s: int) -> list[di
 
 def test_the_sft_command_trains_evaluates_and_exports(tmp_path):
     """The README's cold-start command, cut to 2 small steps (default tier: a signature change
-    once broke every `megatron-rlvr sft` run while only slow tests ran the command)."""
+    once broke every `megatron-rlvr sft` run while only slow tests ran the command), with the
+    model's shape overridden as the 8-expert cold start of compare-replay-long-cpu.yaml is
+    (an override of the trained model once broke the scoring of its export)."""
     sft = command(
         "sft",
         SFT,
         f"trainer.output_dir={tmp_path}",
+        "model.num_experts=8",
         "trainer.steps=2",
         "trainer.warmup_steps=1",
         "sft.batch_tokens=2048",
@@ -45,7 +48,8 @@ def test_the_sft_command_trains_evaluates_and_exports(tmp_path):
     final = {k: v for m in sft if m["step"] == 2 for k, v in m.items()}
     assert final["heldout/sft_loss"] < sft[0]["heldout/sft_loss"]  # it learned
     assert final["eval/heldout/prompts"] == 1 and final["eval/heldout/failed"] == 0
-    assert (tmp_path / "hf" / "config.json").exists() and list((tmp_path / "hf").glob("*.safetensors"))
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_local_experts"] == 8
+    assert list((tmp_path / "hf").glob("*.safetensors"))
 
 
 @pytest.mark.slow

@@ -130,10 +130,13 @@ def evaluate_export(config_path: str, overrides: list[str], cfg: ResolvedConfig,
     a one-rank local run of the exported model (engine, verifiers), nothing trained."""
     from megatron_rlvr.run import open_run
 
+    # the export is the model now: overrides of the trained model's shape (model.num_experts=8)
+    # describe it and are not fields of an HF model section
+    kept = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("model.")]
     run_cfg = load_config(
         config_path,
         [
-            *overrides,
+            *kept,
             "model.type=hf",
             f"model.path={export_dir(cfg)}",
             "launch.mode=local",
