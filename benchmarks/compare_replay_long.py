@@ -60,8 +60,8 @@ class Cell:
 
     @property
     def failed(self) -> bool:
-        """A majority of its seeds collapsed by the comparison report's rule."""
-        return self.seeds > 0 and 2 * self.collapses > self.seeds
+        """A majority of its seeds, two at least, collapsed by the comparison report's rule."""
+        return self.seeds >= 2 and 2 * self.collapses > self.seeds
 
     def row(self) -> str:
         kl = f"{statistics.fmean(self.kl):.1e}" if self.kl else "–"
@@ -130,7 +130,7 @@ def verdicts(cells: dict[tuple[str, str, int, str], Cell]) -> dict[str, tuple[st
         none_k, r2_k, r3_k = (cell("grpo", k, m) for m in ("none", "r2", "r3"))
         if better(r3_k, r2_k) and better(r3_k, none_k) and r2_k.failed:
             results.append("reproduced")
-        elif better(r2_k, r3_k) or (r2_k.collapses == 0 and r2_k.seeds and not better(r3_k, r2_k)):
+        elif better(r2_k, r3_k) or (r2_k.collapses == 0 and r2_k.seeds >= 2 and not better(r3_k, r2_k)):
             results.append("not reproduced")
         else:
             results.append("inconclusive")
@@ -145,7 +145,7 @@ def verdicts(cells: dict[tuple[str, str, int, str], Cell]) -> dict[str, tuple[st
     grpo_fails = [k for k in (1, 2, 4, 8) if cell("grpo", k, "none").failed]
     if not grpo_fails:
         verdict = "inconclusive"  # nothing for GSPO to hold where GRPO does not
-    elif any(cell("gspo", k, "none").failed or not cell("gspo", k, "none").seeds for k in grpo_fails):
+    elif any(cell("gspo", k, "none").failed or cell("gspo", k, "none").seeds < 2 for k in grpo_fails):
         verdict = "not reproduced" if any(cell("gspo", k, "none").failed for k in grpo_fails) else "inconclusive"
     else:
         verdict = "reproduced"

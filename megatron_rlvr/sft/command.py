@@ -132,7 +132,7 @@ def evaluate_export(config_path: str, overrides: list[str], cfg: ResolvedConfig,
 
     # the export is the model now: overrides of the trained model's shape (model.num_experts=8)
     # describe it and are not fields of an HF model section
-    kept = [o for o in overrides if not o.split("=", 1)[0].strip().startswith("model.")]
+    kept = [o for o in overrides if o.split("=", 1)[0].strip().split(".")[0] != "model"]
     run_cfg = load_config(
         config_path,
         [
