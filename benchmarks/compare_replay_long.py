@@ -27,6 +27,7 @@ from megatron_rlvr import cli
 from megatron_rlvr.compare import analysis as an
 from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.compare.plan import DONE
+from megatron_rlvr.compare.report import seeds_pm as pm
 from megatron_rlvr.stopping import StopSignals
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "compare-replay-long-cpu.yaml"
@@ -66,13 +67,6 @@ class Cell:
     def row(self) -> str:
         kl = f"{statistics.fmean(self.kl):.1e}" if self.kl else "–"
         return f"{pm(self.first)} → {pm(self.rewards)} | {self.collapses} of {self.seeds} | {pm(self.pass1)} | {kl}"
-
-
-def pm(values: list[float]) -> str:
-    if not values:
-        return "–"
-    std = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
-    return f"{statistics.fmean(values):.3f}{std}"
 
 
 def better(a: Cell, b: Cell) -> bool:

@@ -23,6 +23,7 @@ from megatron_rlvr import cli
 from megatron_rlvr.compare import analysis as an
 from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.compare.plan import DONE
+from megatron_rlvr.compare.report import seeds_pm as pm
 from megatron_rlvr.stopping import StopSignals
 
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "long-answers-cpu.yaml"
@@ -65,13 +66,6 @@ def run_cell(model: str, out: Path, setting: str, correction: str, steps: int, s
     argv = ["compare-replay", str(CONFIG), "--modes", "none", "--steps", str(steps), "--seeds", str(seeds)]
     argv += ["--out", str(cell_dir(out, setting, correction)), f"model.path={model}", *FIXED]
     return compare_replay.main(cli.parse_args([*argv, *SETTINGS[setting], *CORRECTIONS[correction]]), stop)
-
-
-def pm(values: list[float]) -> str:
-    if not values:
-        return "–"
-    std = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
-    return f"{statistics.fmean(values):.3f}{std}"
 
 
 def cell_row(folder: Path, steps: int) -> tuple[int, str, str, str, str, str]:

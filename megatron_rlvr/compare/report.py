@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import html
 import re
+import statistics
 from pathlib import Path
 
 from megatron_rlvr.compare import analysis as an
@@ -28,6 +29,14 @@ def fmt(value: float, digits: int = 4) -> str:
 
 def fmt_pm(mean: float, std: float, seeds: int) -> str:
     return fmt(mean) if seeds < 2 else f"{fmt(mean)} ± {fmt(std)}"
+
+
+def seeds_pm(values: list[float]) -> str:
+    """Per-seed values as 'mean ± std' to three decimals (the benchmarks' README tables), '–' for none."""
+    if not values:
+        return "–"
+    std = f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values):.3f}{std}"
 
 
 def slug(key: str) -> str:
