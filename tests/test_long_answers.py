@@ -3,6 +3,7 @@ reads them, its held-out split, and the error rate of its worked solutions."""
 
 import random
 import statistics
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,8 @@ from megatron_rlvr.config import LongAnswerSource, load_config
 from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
 from megatron_rlvr.data.long_answers import CHARS, draw_problem, is_heldout, length_statistics, worked_solution
 from megatron_rlvr.rewards.math import verify_math
+
+REPO = Path(__file__).resolve().parents[1]
 
 
 def test_correct_responses_are_long_and_long_tailed():
@@ -65,6 +68,32 @@ def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
     assert verify_working("45-7=38 #### 3", record) == 0.0  # the right answer, guessed
     assert verify_working(worked_solution(45, 7).replace("31", "30", 1), record) == 0.0
     assert verify_math("45-7=38 #### 3", "3") == 1.0  # the math verifier reads the answer only
+
+
+@pytest.mark.parametrize("name", ["long-answers-cpu.yaml", "long-answers-sft-cpu.yaml", "compare-replay-long-cpu.yaml"])
+def test_the_shipped_long_answer_configs_score_every_prompt_by_its_working(name, shipped_overrides):
+    """verifier.by_data_source reaches the built-in task's records, training data and eval sets
+    alike (it once reached file rows only, and every long-answer run was scored on the answer
+    alone: GRPO learned to drop the working and guess)."""
+    from megatron_rlvr.data.check import load_all
+
+    path = REPO / "configs" / name
+    loaded = load_all(load_config(path, shipped_overrides(path)), report=False)
+    assert loaded and all(r.verifier == "long_answers_working" for part in loaded.values() for r in part.records)
+
+
+def test_partial_credit_is_the_share_right_before_the_first_mistake_and_one_only_when_whole():
+    from megatron_rlvr.data.long_answers import verify_steps
+
+    record = {"prompt": "45%7="}  # 6 steps and '#### 3': 7 units
+    whole = worked_solution(45, 7)
+    assert verify_steps(whole, record) == 1.0
+    assert verify_steps(whole.replace("24-7=17", "24-7=16 16-7=9", 1), record) == 3 / 7
+    assert verify_steps(whole.replace("#### 3", "#### 4"), record) == 6 / 7
+    assert verify_steps(whole + " 3-7=0", record) == 6 / 7  # past the answer is not the answer
+    assert verify_steps("45-7=38 38-7=31", record) == 2 / 7  # stopping early gains nothing
+    assert verify_steps("45-7=38 #### 3", record) == 1 / 7  # nor does a guess
+    assert verify_steps("", record) == 0.0
 
 
 def test_the_problem_counts_are_the_space_the_draws_come_from():

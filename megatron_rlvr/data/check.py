@@ -5,6 +5,7 @@ functions are to run; the wandb package is there when logging.wandb asks for it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 
@@ -35,13 +36,22 @@ def load_data(
 ) -> LoadedPrompts:
     """The records of one source; `where` is its dotted config name (data, eval.sets.NAME)."""
     if isinstance(source, ArithmeticSource):
-        return arithmetic_prompts(source)
+        return _by_data_source(arithmetic_prompts(source), verifiers)
     if isinstance(source, LongAnswerSource):
-        return long_answer_prompts(source)
+        return _by_data_source(long_answer_prompts(source), verifiers)
     if any(getattr(source, key) is None for key in DATA_FORMATS[source.format]):  # not resolved yet
         source = source.model_copy()
         source.fill_keys()
     return load_source(source, verifiers, where=where, skip_bad_rows=skip_bad_rows)
+
+
+def _by_data_source(loaded: LoadedPrompts, verifiers: VerifierConfig) -> LoadedPrompts:
+    """A built-in task's records take the verifier that verifier.by_data_source names for their
+    data_source, as file rows do (long_answers → the working verifier of the shipped configs)."""
+    mapped = [
+        dataclasses.replace(r, verifier=verifiers.by_data_source.get(r.data_source, r.verifier)) for r in loaded.records
+    ]
+    return dataclasses.replace(loaded, records=mapped)
 
 
 def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPrompts]:

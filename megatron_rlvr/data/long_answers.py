@@ -144,11 +144,29 @@ def main(argv: list[str]) -> int:
     return 0
 
 
+def _problem_of(record: dict) -> tuple[int, int]:
+    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
+    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
+    return n, d
+
+
 def verify_working(response: str, record: dict) -> float:
     """A stricter reward than the math verifier's (verifier.functions): 1 only when the whole
     working is the correct chain and its answer, so a guessed '#### r' earns nothing (with
     divisors up to 5, a guess is right one time in three: RL on the answer alone learns to
     skip the working of long problems and guess)."""
-    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
-    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
-    return float(response.strip() == worked_solution(n, d))
+    return float(response.strip() == worked_solution(*_problem_of(record)))
+
+
+def verify_steps(response: str, record: dict) -> float:
+    """Partial credit: the share of the correct chain's units (each step, then '#### r') that
+    the response writes before its first mistake; 1 only for the whole correct working, so
+    pass@k (reward >= 1) stays verify_working's. Under all-or-nothing rewards every sample of
+    a long problem fails and its group carries no gradient; here it ranks them by how far
+    they got right, and nothing is gained by stopping early."""
+    gold = worked_solution(*_problem_of(record)).split(" ")
+    gold = [*gold[:-2], " ".join(gold[-2:])]  # the steps, then '#### r' as one unit
+    got = response.strip().split(" ")
+    got = [*got[: len(gold) - 1], " ".join(got[len(gold) - 1 :])]
+    right = next((i for i, (a, b) in enumerate(zip(got, gold)) if a != b), min(len(got), len(gold)))
+    return right / len(gold)
