@@ -61,7 +61,7 @@ def test_the_heldout_split_shares_no_problem_with_training_data():
 
 
 def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
-    from megatron_rlvr.data.long_answers import verify_working
+    from megatron_rlvr.rewards.long_answers import verify_working
 
     record = {"prompt": [{"role": "user", "content": "45%7="}]}
     assert verify_working(worked_solution(45, 7), record) == 1.0
@@ -82,8 +82,19 @@ def test_the_shipped_long_answer_configs_score_every_prompt_by_its_working(name,
     assert loaded and all(r.verifier == "long_answers_working" for part in loaded.values() for r in part.records)
 
 
+def test_the_working_verifiers_import_light(tmp_path):
+    """They run in a fresh sandbox process per group: importing the data package there (config,
+    tokenizers) cost ~0.5 s a group, more than a training step's verification should."""
+    import subprocess
+    import sys
+
+    code = "import sys, megatron_rlvr.rewards.long_answers; print(sorted({'pydantic', 'transformers', 'torch'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=REPO).stdout
+    assert out.strip() == "[]"
+
+
 def test_partial_credit_is_the_share_right_before_the_first_mistake_and_one_only_when_whole():
-    from megatron_rlvr.data.long_answers import verify_steps
+    from megatron_rlvr.rewards.long_answers import verify_steps
 
     record = {"prompt": "45%7="}  # 6 steps and '#### 3': 7 units
     whole = worked_solution(45, 7)

@@ -22,6 +22,7 @@ import zlib
 
 from megatron_rlvr.config import LongAnswerSource
 from megatron_rlvr.data.records import LoadedPrompts, PromptRecord
+from megatron_rlvr.rewards.long_answers import prompt_text, worked_solution
 
 # the characters the task writes; a tiny model for it needs them in model.tokenizer_chars
 CHARS = "0123456789-=%# "
@@ -46,24 +47,6 @@ def is_heldout(n: int, d: int) -> bool:
     """The held-out eighth of all problems, the same whatever the seed: an eval set of split
     heldout never shares a problem with training data or cold-start data of split train."""
     return zlib.crc32(prompt_text(n, d).encode()) % 8 == 0
-
-
-def prompt_text(n: int, d: int) -> str:
-    return f"{n}%{d}="
-
-
-def worked_solution(n: int, d: int, rng: random.Random | None = None, step_error_rate: float = 0.0) -> str:
-    """The written-out subtraction chain and '#### answer'. With step_error_rate, each step's
-    result is off by one with that probability (never below 0) until one is, and the chain
-    goes on from the wrong value: the final answer is then wrong (one off, modulo d)."""
-    parts, x, erred = [], n, False
-    while x >= d:
-        result = x - d
-        if rng is not None and not erred and step_error_rate and rng.random() < step_error_rate:
-            result, erred = result + 1 if result == 0 or rng.random() < 0.5 else result - 1, True
-        parts.append(f"{x}-{d}={result}")
-        x = result
-    return " ".join([*parts, f"#### {x}"])
 
 
 def long_answer_prompts(spec: LongAnswerSource) -> LoadedPrompts:
@@ -142,31 +125,3 @@ def main(argv: list[str]) -> int:
     n, d = _problems(spec)[0]
     print(f"  example: {prompt_text(n, d)} → {worked_solution(n, d)}")
     return 0
-
-
-def _problem_of(record: dict) -> tuple[int, int]:
-    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
-    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
-    return n, d
-
-
-def verify_working(response: str, record: dict) -> float:
-    """A stricter reward than the math verifier's (verifier.functions): 1 only when the whole
-    working is the correct chain and its answer, so a guessed '#### r' earns nothing (with
-    divisors up to 5, a guess is right one time in three: RL on the answer alone learns to
-    skip the working of long problems and guess)."""
-    return float(response.strip() == worked_solution(*_problem_of(record)))
-
-
-def verify_steps(response: str, record: dict) -> float:
-    """Partial credit: the share of the correct chain's units (each step, then '#### r') that
-    the response writes before its first mistake; 1 only for the whole correct working, so
-    pass@k (reward >= 1) stays verify_working's. Under all-or-nothing rewards every sample of
-    a long problem fails and its group carries no gradient; here it ranks them by how far
-    they got right, and nothing is gained by stopping early."""
-    gold = worked_solution(*_problem_of(record)).split(" ")
-    gold = [*gold[:-2], " ".join(gold[-2:])]  # the steps, then '#### r' as one unit
-    got = response.strip().split(" ")
-    got = [*got[: len(gold) - 1], " ".join(got[len(gold) - 1 :])]
-    right = next((i for i, (a, b) in enumerate(zip(got, gold)) if a != b), min(len(got), len(gold)))
-    return right / len(gold)
