@@ -37,7 +37,8 @@ class VerifierConfig(Section):
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict,
-        description="data_source → verifier (e.g. {openai/gsm8k: math}); wins over the record's own verifier column",
+        description="data_source → verifier (e.g. {openai/gsm8k: math, long_answers: my_fn}); wins over a file row's "
+        "own verifier column, and applies to the built-in tasks (data_source arithmetic, long_answers) too",
     )
     functions: dict[str, str] = Field(
         default_factory=dict,
