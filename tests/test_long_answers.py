@@ -82,7 +82,7 @@ def test_the_shipped_long_answer_configs_score_every_prompt_by_its_working(name,
     assert loaded and all(r.verifier == "long_answers_working" for part in loaded.values() for r in part.records)
 
 
-def test_the_working_verifiers_import_light(tmp_path):
+def test_the_working_verifiers_import_light():
     """They run in a fresh sandbox process per group: importing the data package there (config,
     tokenizers) cost ~0.5 s a group, more than a training step's verification should."""
     import subprocess
