@@ -22,7 +22,7 @@ import zlib
 
 from megatron_rlvr.config import LongAnswerSource
 from megatron_rlvr.data.records import LoadedPrompts, PromptRecord
-from megatron_rlvr.rewards.long_answers import prompt_text, worked_solution
+from megatron_rlvr.rewards.long_answers import problem_of, prompt_text, worked_solution
 
 # the characters the task writes; a tiny model for it needs them in model.tokenizer_chars
 CHARS = "0123456789-=%# "
@@ -68,8 +68,7 @@ def worked_examples(spec: LongAnswerSource, step_error_rate: float, seed: int) -
     conversations = []
     for record in long_answer_prompts(spec).records:
         assert isinstance(record.prompt, list)
-        n, d = (int(x) for x in record.prompt[0]["content"].rstrip("=").split("%"))
-        answer = worked_solution(n, d, rng, step_error_rate)
+        answer = worked_solution(*problem_of(record.prompt), rng, step_error_rate)
         conversations.append([*record.prompt, {"role": "assistant", "content": answer}])
     return conversations
 

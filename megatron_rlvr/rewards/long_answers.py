@@ -26,9 +26,10 @@ def worked_solution(n: int, d: int, rng: random.Random | None = None, step_error
     return " ".join([*parts, f"#### {x}"])
 
 
-def _problem_of(record: dict) -> tuple[int, int]:
-    prompt = record["prompt"] if isinstance(record["prompt"], str) else record["prompt"][-1]["content"]
-    n, d = (int(x) for x in prompt.rstrip("=").split("%"))
+def problem_of(prompt: str | list[dict]) -> tuple[int, int]:
+    """(n, d) of a prompt_text, given as the text or as messages whose last one holds it."""
+    text = prompt if isinstance(prompt, str) else prompt[-1]["content"]
+    n, d = (int(x) for x in text.rstrip("=").split("%"))
     return n, d
 
 
@@ -37,7 +38,7 @@ def verify_working(response: str, record: dict) -> float:
     working is the correct chain and its answer, so a guessed '#### r' earns nothing (with
     divisors up to 5, a guess is right one time in three: RL on the answer alone learns to
     skip the working of long problems and guess)."""
-    return float(response.strip() == worked_solution(*_problem_of(record)))
+    return float(response.strip() == worked_solution(*problem_of(record["prompt"])))
 
 
 def verify_steps(response: str, record: dict) -> float:
@@ -46,7 +47,7 @@ def verify_steps(response: str, record: dict) -> float:
     pass@k (reward >= 1) stays verify_working's. Under all-or-nothing rewards every sample of
     a long problem fails and its group carries no gradient; here it ranks them by how far
     they got right, and nothing is gained by stopping early."""
-    gold = worked_solution(*_problem_of(record)).split(" ")
+    gold = worked_solution(*problem_of(record["prompt"])).split(" ")
     gold = [*gold[:-2], " ".join(gold[-2:])]  # the steps, then '#### r' as one unit
     got = response.strip().split(" ")
     got = [*got[: len(gold) - 1], " ".join(got[len(gold) - 1 :])]
