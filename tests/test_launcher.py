@@ -6,6 +6,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import psutil
@@ -389,3 +390,28 @@ def test_a_fatal_log_line_fails_the_start_although_the_process_lives(tmp_path):
     with pytest.raises(EngineStartError, match="failed to start: .*address already in use; log: "):
         proc.start(ready_timeout_s=120)
     assert time.monotonic() - started < 60 and not proc.alive
+
+
+def test_pinning_a_process_whose_threads_come_and_go_pins_the_living_ones():
+    """Threads that end between the listing of /proc/PID/task and their pinning (a benchmark
+    runs several runs in one process, each leaving short-lived threads) are not an error."""
+    cores = sorted(os.sched_getaffinity(0))
+    done = threading.Event()
+
+    def churn():
+        while not done.is_set():
+            batch = [threading.Thread(target=time.sleep, args=(0.0005,)) for _ in range(16)]
+            for t in batch:
+                t.start()
+            for t in batch:
+                t.join()
+
+    churner = threading.Thread(target=churn)
+    churner.start()
+    try:
+        for _ in range(300):
+            launcher.pin_process(os.getpid(), cores, "this test")
+    finally:
+        done.set()
+        churner.join()
+    assert sorted(os.sched_getaffinity(0)) == cores

@@ -219,10 +219,15 @@ class ServerProcess:
 
 def pin_process(pid: int, cores: list[int], what: str) -> None:
     """Every thread of process `pid` onto `cores` (threads and processes it starts later
-    inherit them); one line naming `what` when this machine has not got them."""
+    inherit them); one line naming `what` when this machine has not got them. A thread that
+    ends between the listing and its pinning needs none (a long-lived process, such as a
+    benchmark running several runs, has short-lived threads)."""
     try:
         for tid in os.listdir(f"/proc/{pid}/task"):
-            os.sched_setaffinity(int(tid), cores)
+            try:
+                os.sched_setaffinity(int(tid), cores)
+            except ProcessLookupError:
+                continue
     except OSError as err:
         raise UserError(
             f"{what} cannot be pinned to cores {cores}: {err.strerror} (this machine has {os.cpu_count()} cores)"
