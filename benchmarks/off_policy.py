@@ -47,13 +47,12 @@ DEFAULT = "token TIS (C=2)"
 
 
 def cells() -> list[tuple[str, str]]:
-    """(setting, correction) in the order they run: a correction at a time, so that if time runs
-    short whole corrections are missing; the on-policy reference (k=1, the config's correction)
-    right after the config's own correction."""
-    order = []
-    for correction in CORRECTIONS:
-        order += [(setting, correction) for setting in SETTINGS if setting != "k=1"]
-        order += [("k=1", correction)] if correction == DEFAULT else []
+    """(setting, correction) in the order they run: the on-policy reference (k=1, the config's
+    correction) first, then a setting at a time with every correction, so that if time runs
+    short whole settings are missing and each one measured compares all the corrections."""
+    order = [("k=1", DEFAULT)]
+    for setting in SETTINGS:
+        order += [(setting, correction) for correction in CORRECTIONS if setting != "k=1"]
     return order
 
 
