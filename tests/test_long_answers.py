@@ -82,9 +82,33 @@ def test_the_shipped_long_answer_configs_score_every_prompt_by_its_working(name,
     assert loaded and all(r.verifier == "long_answers_working" for part in loaded.values() for r in part.records)
 
 
+def test_the_shipped_working_verifier_runs_in_process_with_the_sandboxs_verdicts(shipped_overrides):
+    """The project's own verifier functions skip the sandbox (a supervisor per group cost 0.23 s
+    of the learner's core: in flight became learner-bound); what they return, raise or refuse
+    is judged as in the sandbox."""
+    from megatron_rlvr.rewards.custom import FunctionVerifier, InProcessFunction, resolve_function
+    from megatron_rlvr.rewards.registry import Verifiers
+
+    path = REPO / "configs" / "long-answers-cpu.yaml"
+    cfg = load_config(path, shipped_overrides(path)).verifier
+    verifiers = Verifiers(cfg, {k: resolve_function(v, REPO) for k, v in cfg.functions.items()})
+    in_process = verifiers.functions["long_answers_working"]
+    assert isinstance(in_process, InProcessFunction)
+    sandboxed = FunctionVerifier(
+        resolve_function(cfg.functions["long_answers_working"], REPO), timeout_s=5, memory_mb=512
+    )
+    responses = [worked_solution(45, 7), "45-7=38 #### 3", worked_solution(45, 7).replace("31", "30", 1), ""]
+    record = {"prompt": [{"role": "user", "content": "45%7="}]}
+    expected = [(1.0, "scored"), (0.0, "scored"), (0.0, "scored"), (0.0, "scored")]
+    assert in_process.verify_batch(responses, record) == sandboxed.verify_batch(responses, record) == expected
+    broken = {"prompt": "not a problem"}  # raises in the function: a runtime_error either way
+    assert in_process.verify_batch(["x"], broken) == sandboxed.verify_batch(["x"], broken) == [(0.0, "runtime_error")]
+
+
 def test_the_working_verifiers_import_light():
-    """They run in a fresh sandbox process per group: importing the data package there (config,
-    tokenizers) cost ~0.5 s a group, more than a training step's verification should."""
+    """Named by file path (`megatron_rlvr/rewards/long_answers.py:verify_working`) they run in a
+    fresh sandbox process per group: importing the data package there (config, tokenizers) cost
+    ~0.5 s a group, more than a training step's verification should."""
     import subprocess
     import sys
 

@@ -9,7 +9,7 @@ from collections import Counter, defaultdict
 from megatron_rlvr.config import VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rewards.code import CodeVerifier
-from megatron_rlvr.rewards.custom import FunctionVerifier
+from megatron_rlvr.rewards.custom import function_verifier
 from megatron_rlvr.rewards.math import MathVerifier
 from megatron_rlvr.rewards.verdict import Verdict
 
@@ -27,7 +27,7 @@ class Verifiers:
             parallel=1,
         )
         self.functions = {
-            name: FunctionVerifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb, parallel=1)
+            name: function_verifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb)
             for name, spec in functions.items()
         }
 

@@ -310,15 +310,21 @@ def _code_job(job: dict, settings: dict) -> dict:
     return {"tests": outcomes}
 
 
+def call_function(function, response: str, record: dict) -> dict:
+    """One verifier function call as an outcome: {"status": "scored", "value"}, or why not (an
+    exception, or a return that is not a number); where it runs is the caller's choice."""
+    try:
+        value = function(response, record)
+    except BaseException as err:
+        return _error(err)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
+        return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
+    return {"status": "scored", "value": float(value)}
+
+
 def _function_job(job: dict, function, settings: dict) -> dict:
     def target() -> dict:
-        try:
-            value = function(job["response"], job["record"])
-        except BaseException as err:
-            return _error(err)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
-            return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
-        return {"status": "scored", "value": float(value)}
+        return call_function(function, job["response"], job["record"])
 
     return {"outcome": _in_child(target, settings, wall_s=settings["wall_s"])}
 
