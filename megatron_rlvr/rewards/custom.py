@@ -103,7 +103,7 @@ class InProcessFunction:
     def verify_batch(self, responses: list[str], record: dict) -> list[Verdict]:
         from megatron_rlvr.rewards.runner import call_function
 
-        return [_verdict(call_function(self.function, response, record)) for response in responses]
+        return [_verdict(call_function(self.function, r, record, caught=Exception)) for r in responses]
 
 
 class FunctionVerifier:

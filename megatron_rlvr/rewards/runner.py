@@ -310,12 +310,13 @@ def _code_job(job: dict, settings: dict) -> dict:
     return {"tests": outcomes}
 
 
-def call_function(function, response: str, record: dict) -> dict:
+def call_function(function, response: str, record: dict, caught: type[BaseException] = BaseException) -> dict:
     """One verifier function call as an outcome: {"status": "scored", "value"}, or why not (an
-    exception, or a return that is not a number); where it runs is the caller's choice."""
+    exception of `caught`, or a return that is not a number); where it runs is the caller's
+    choice (in the caller's own process, Exception: a Ctrl-C or an exit is not a verdict)."""
     try:
         value = function(response, record)
-    except BaseException as err:
+    except caught as err:
         return _error(err)
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
         return {"status": "bad_return", "detail": f"returned {type(value).__name__}, not a number"}
