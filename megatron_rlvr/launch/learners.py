@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -101,8 +102,12 @@ class LearnerRank:
             self.loop.run_until_complete(self.syncer.close())
         for client in self.clients:
             self.loop.run_until_complete(client.close())
+        if self.learner is not None:
+            self.learner.close()
+            self.learner = None
         if self.joined:
             destroy_parallel()
+        gc.collect()  # the model's own cycles now, so that its groups' threads end with the run
         self.loop.close()
         if self.cores_before is not None:  # a local run's process goes on (the next run checks its cores)
             pin_process(os.getpid(), self.cores_before, f"learner rank {self.rank}")

@@ -106,6 +106,22 @@ class Learner:
         self._recorded_batch: tuple | None = None  # which batch R2's recorded routing belongs to
         self._engine_agreement: dict[str, float] = {}
 
+    def close(self) -> None:
+        """Lets the model, its optimizer and the process groups they hold go with this learner.
+        Megatron's DDP hooks every parameter's gradient-accumulation node with a closure that
+        holds the DDP; the DDP keeps those nodes, and so do the optimizer's views of the
+        parameters, which the model's config reaches through grad_scale_func: cycles through C++
+        that Python's collector cannot see. Left alone, each run in a process that goes on (local
+        mode, compare-replay, the benchmarks) kept its model and its gloo groups, whose polling
+        threads took a growing share of the learner's core."""
+        from megatron.core.transformer.moe.router_replay import RouterReplay
+
+        tcfg = self.bridge.config
+        tcfg.grad_scale_func = tcfg.finalize_model_grads_func = None
+        for chunk in self.chunks:
+            chunk.grad_accs.clear()
+        RouterReplay.clear_global_router_replay_instances()
+
     # ------------------------------------------------------------------ setup
     def _make_optimizer(self, dtype: torch.dtype):
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
