@@ -8,10 +8,12 @@ RL with LLMs"), by the rules in `verdicts()`:
   (c) at 4-8× off-policy, R3 is best and R2 fails;
   (d) GSPO without replay holds where GRPO without replay does not.
 Each degree is one `megatron-rlvr compare-replay` (it resumes); degrees run 1, 8, 2, 4 so that a
-short session still has both ends.
+short session still has both ends. --parts runs some of them: two processes, each pinned to a core
+of its own with the rest of the grid, finish it sooner on 2 cores than one process on both (the
+runs are small: one core each keeps busier than two share one run).
 
     .venv/bin/megatron-rlvr sft configs/long-answers-sft-cpu.yaml model.num_experts=8 trainer.output_dir=runs/long-answers-sft-e8
-    .venv/bin/python benchmarks/compare_replay_long.py runs/long-answers-sft-e8/hf [--steps 16] [--seeds 3] [--out runs/compare-replay-long]
+    .venv/bin/python benchmarks/compare_replay_long.py runs/long-answers-sft-e8/hf [--steps 16] [--seeds 3] [--out runs/compare-replay-long] [--parts k1,k8] [key=value ...]
 
 Ends with `findings reproduced: X of 4 (Y not reproduced, Z inconclusive)`; --report-only reads
 the runs finished so far.
@@ -184,13 +186,18 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--out", default="runs/compare-replay-long")
     parser.add_argument("--report-only", action="store_true", help="the table of the runs already finished")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run (default all)")
+    parser.add_argument("overrides", nargs="*", help="config overrides for every run, key=value")
     args = parser.parse_args()
+    parts = args.parts.split(",")
+    if unknown := [p for p in parts if p not in PARTS]:
+        parser.error(f"--parts: unknown {', '.join(unknown)}; the parts are {', '.join(PARTS)}")
     out = Path(args.out).absolute()
     if not args.report_only:
         stop = StopSignals().install()
-        for part, extra in PARTS.items():
+        for part in parts:
             argv = ["compare-replay", str(CONFIG), "--steps", str(args.steps), "--seeds", str(args.seeds)]
-            argv += ["--out", str(out / part), f"model.path={args.model}", *extra]
+            argv += ["--out", str(out / part), f"model.path={args.model}", *args.overrides, *PARTS[part]]
             if stop.requested or compare_replay.main(cli.parse_args(argv), stop):
                 raise SystemExit(f"stopped in {part}; the same command resumes")
     report(out, args.steps)
