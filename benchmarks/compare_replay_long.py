@@ -188,7 +188,7 @@ def main() -> None:
     parser.add_argument("--report-only", action="store_true", help="the table of the runs already finished")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"which of {', '.join(PARTS)} to run (default all)")
     parser.add_argument("overrides", nargs="*", help="config overrides for every run, key=value")
-    args = parser.parse_args()
+    args = parser.parse_intermixed_args()  # overrides may follow the options
     parts = args.parts.split(",")
     if unknown := [p for p in parts if p not in PARTS]:
         parser.error(f"--parts: unknown {', '.join(unknown)}; the parts are {', '.join(PARTS)}")

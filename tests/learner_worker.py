@@ -483,7 +483,7 @@ def learner_equality(
             metrics = learner.train_step(with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids)))
             grads = torch.cat([p.main_grad.flatten().cpu() for m in learner.modules for p in m.parameters()])
             seen[name] = {"logprobs": logprobs, "metrics": metrics, "grads": grads, "probe": probe}
-            del learner
+            learner.close()  # its model and groups go now, not at the end of the process
         ref, cand = seen[reference[0]], seen[candidate[0]]
         counted = torch.zeros_like(batch.response_mask, dtype=torch.bool)
         counted[:, 1:] = batch.response_mask[:, 1:] > 0
