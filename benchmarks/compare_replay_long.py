@@ -8,9 +8,9 @@ RL with LLMs"), by the rules in `verdicts()`:
   (c) at 4-8× off-policy, R3 is best and R2 fails;
   (d) GSPO without replay holds where GRPO without replay does not.
 Each degree is one `megatron-rlvr compare-replay` (it resumes); degrees run 1, 8, 2, 4 so that a
-short session still has both ends. --parts runs some of them: two processes, each pinned to a core
-of its own with the rest of the grid, finish it sooner on 2 cores than one process on both (the
-runs are small: one core each keeps busier than two share one run).
+short session still has both ends. --parts runs some of them, so that the grid can be split
+between processes, e.g. two on 2 cores, each pinned to its own core by launch.* overrides (not
+timed against one process on both cores).
 
     .venv/bin/megatron-rlvr sft configs/long-answers-sft-cpu.yaml model.num_experts=8 trainer.output_dir=runs/long-answers-sft-e8
     .venv/bin/python benchmarks/compare_replay_long.py runs/long-answers-sft-e8/hf [--steps 16] [--seeds 3] [--out runs/compare-replay-long] [--parts k1,k8] [key=value ...]
