@@ -18,12 +18,15 @@ time is the modes' alone. A plain run (one seed, the CPU engine, 16 steps of 8 g
 and the step seconds until pass@1 first reaches the highest value every run reaches (the steps
 right after an evaluation are not timed: generation went on during it).
 
-    .venv/bin/python benchmarks/in_flight.py [--cold-start DIR] [--steps 16] [--full] [key=value ...]
+    .venv/bin/python benchmarks/in_flight.py [--cold-start DIR] [--steps 16] [--full] [--history DIR] [key=value ...]
+
+--history DIR keeps each run's per-step metrics (DIR/<engine>-<mode>-seed<N>.jsonl).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import sys
@@ -99,6 +102,7 @@ def measure(cold_start: Path, steps: int, seed: int, eval_interval: int, overrid
         "reward": statistics.fmean(m["reward/mean"] for m in history if "reward/mean" in m),
         "pass1": passes[-1][1],
         "passes": passes,  # (step seconds so far, pass@1) at each evaluation
+        "history": history,
     }
 
 
@@ -149,6 +153,7 @@ def main() -> None:
     parser.add_argument("--full", action="store_true", help="3 seeds, the CPU engine and real SGLang")
     parser.add_argument("--seeds", type=int, help="seeds per mode (default 1, with --full 3)")
     parser.add_argument("--engines", nargs="+", choices=ENGINES, help="default cpu, with --full cpu sglang")
+    parser.add_argument("--history", type=Path, help="a folder for each run's per-step metrics (JSON lines)")
     parser.add_argument("overrides", nargs="*", help="config overrides, key=value")
     args = parser.parse_args()
     if not (args.cold_start / "config.json").exists():
@@ -166,6 +171,10 @@ def main() -> None:
                 overrides = [*cores, *ENGINES[engine], *extra, *args.overrides]
                 run = measure(args.cold_start.resolve(), args.steps, seed, interval, overrides)
                 runs[mode].append(run)
+                if args.history:
+                    args.history.mkdir(parents=True, exist_ok=True)
+                    lines = "".join(json.dumps(m) + "\n" for m in run["history"])
+                    (args.history / f"{engine}-{mode}-seed{seed}.jsonl").write_text(lines)
                 print(  # each run as it ends, so a cut-short table keeps what was measured
                     f"{engine} {mode} seed {seed}: {run['tokens_per_s']:.0f} tokens/s, engine idle "
                     f"{run['engine_idle']:.2f}, pass@1 "
