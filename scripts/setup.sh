@@ -21,9 +21,9 @@
 #                                        nothing, downloads no CUDA wheel. Exit 3: index unreachable.
 #
 # Idempotent: a second run with unchanged pins only checks a stamp and returns at once.
-# pip runs with --no-compile: byte-compiling every installed module (~17k files, 1.5 CPU-minutes)
-# is serial work for modules that are mostly never imported; Python compiles the rest on first
-# import and keeps the result.
+# pip byte-compiles what it installs (~1.5 CPU-minutes per venv). Keep it: where
+# PYTHONDONTWRITEBYTECODE is set (this project's machines and CI) Python never caches bytecode at
+# import, so without it every process would compile torch, Megatron and SGLang from source.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3.11}"
@@ -54,7 +54,7 @@ fi
 if [ ! -x .venv/bin/python ]; then
     "$PYTHON" -m venv .venv
 fi
-PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q --no-compile)
+PIP=(.venv/bin/python -m pip install --disable-pip-version-check -q)
 stamp=.venv/.megatron-rlvr-installed
 if [ "$gpu" = 1 ]; then
     want="gpu $(cat pyproject.toml constraints-gpu.txt | sha256sum | cut -d' ' -f1)"

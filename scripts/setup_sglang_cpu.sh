@@ -47,7 +47,7 @@ want="$(cat "$req" scripts/setup_sglang_cpu.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
-PIP=("$py" -m pip install --disable-pip-version-check -q --no-compile)  # why: scripts/setup.sh
+PIP=("$py" -m pip install --disable-pip-version-check -q)
 # 1. the CPU build of torch
 mapfile -t torch_args < <(torch_install_args "$py")
 "${PIP[@]}" "${torch_args[@]}"
