@@ -9,7 +9,14 @@ import pytest
 
 from megatron_rlvr.config import LongAnswerSource, load_config
 from megatron_rlvr.data import build_arithmetic_tokenizer, load_data
-from megatron_rlvr.data.long_answers import CHARS, draw_problem, is_heldout, length_statistics, worked_solution
+from megatron_rlvr.data.long_answers import (
+    CHARS,
+    draw_problem,
+    is_heldout,
+    length_statistics,
+    problem_split,
+    worked_solution,
+)
 from megatron_rlvr.rewards.math import verify_math
 
 REPO = Path(__file__).resolve().parents[1]
@@ -58,6 +65,12 @@ def test_the_heldout_split_shares_no_problem_with_training_data():
     train, heldout = problems("train", 0), problems("heldout", 1)
     assert train and heldout and not train & heldout
     assert all(is_heldout(*map(int, p.rstrip("=").split("%"))) for p in heldout)
+    # the halves of train a cold start and an RL run take: disjoint, and each inside train
+    cold_start, rl = problems("train_sft", 2), problems("train_rl", 3)
+    assert cold_start and rl and not cold_start & rl and not (cold_start | rl) & heldout
+    split_of = {p: problem_split(*map(int, p.rstrip("=").split("%"))) for p in train | cold_start | rl}
+    assert {split_of[p] for p in cold_start} == {"train_sft"} and {split_of[p] for p in rl} == {"train_rl"}
+    assert {split_of[p] for p in train} == {"train_sft", "train_rl"}  # train is the two halves
 
 
 def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():

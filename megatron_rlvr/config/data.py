@@ -101,10 +101,11 @@ class LongAnswerSource(Section):
     tail_exponent: float = Field(
         1.2, gt=0.0, le=10.0, description="P(steps = k) ∝ k^-tail_exponent on 1..max_steps: smaller, longer tail"
     )
-    split: Literal["train", "heldout", "all"] = Field(
+    split: Literal["train", "train_sft", "train_rl", "heldout", "all"] = Field(
         "train",
         description="train: problems outside the held-out eighth (chosen by a hash of the problem); "
-        "heldout: only those; all: both",
+        "train_sft / train_rl: the two halves of train (by another hash), for a cold start and an RL "
+        "run that never share a problem; heldout: the held-out eighth; all: every problem",
     )
     seed: int = Field(0, description="seed of the problems drawn")
 

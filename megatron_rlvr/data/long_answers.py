@@ -38,7 +38,7 @@ def draw_problem(rng: random.Random, spec: LongAnswerSource) -> tuple[int, int]:
         steps = rng.choices(ks, weights=weights)[0]
         d = rng.randint(2, spec.max_divisor)
         n = steps * d + rng.randrange(d)
-        if spec.split == "all" or is_heldout(n, d) == (spec.split == "heldout"):
+        if spec.split in ("all", problem_split(n, d)) or (spec.split == "train" and not is_heldout(n, d)):
             return n, d
     raise AssertionError("no problem of the split in 10000 draws")
 
@@ -47,6 +47,15 @@ def is_heldout(n: int, d: int) -> bool:
     """The held-out eighth of all problems, the same whatever the seed: an eval set of split
     heldout never shares a problem with training data or cold-start data of split train."""
     return zlib.crc32(prompt_text(n, d).encode()) % 8 == 0
+
+
+def problem_split(n: int, d: int) -> str:
+    """heldout, or which half of the training problems (n, d) is in: train_sft, the half a cold
+    start may train on, or train_rl, the half left for RL, on problems the cold start never
+    saw (as held-out problems are to both)."""
+    if is_heldout(n, d):
+        return "heldout"
+    return "train_rl" if zlib.crc32(f"rl:{prompt_text(n, d)}".encode()) % 2 else "train_sft"
 
 
 def long_answer_prompts(spec: LongAnswerSource) -> LoadedPrompts:
@@ -96,8 +105,15 @@ def problem_counts(spec: LongAnswerSource) -> dict[str, int]:
     problems = [
         (k * d + r, d) for d in range(2, spec.max_divisor + 1) for k in range(1, spec.max_steps + 1) for r in range(d)
     ]
-    heldout = sum(is_heldout(n, d) for n, d in problems)
-    return {"all": len(problems), "train": len(problems) - heldout, "heldout": heldout}
+    splits = [problem_split(n, d) for n, d in problems]
+    heldout = splits.count("heldout")
+    return {
+        "all": len(problems),
+        "train": len(problems) - heldout,
+        "train_sft": splits.count("train_sft"),
+        "train_rl": splits.count("train_rl"),
+        "heldout": heldout,
+    }
 
 
 def _problems(spec: LongAnswerSource) -> list[tuple[int, int]]:
@@ -120,7 +136,10 @@ def main(argv: list[str]) -> int:
     for key, value in stats.items():
         print(f"  {key:>16}: {value:g}")
     counts = problem_counts(spec)
-    print(f"  distinct problems: {counts['all']} ({counts['train']} train, {counts['heldout']} held out)")
+    print(
+        f"  distinct problems: {counts['all']} ({counts['train']} train: {counts['train_sft']} train_sft + "
+        f"{counts['train_rl']} train_rl; {counts['heldout']} held out)"
+    )
     n, d = _problems(spec)[0]
     print(f"  example: {prompt_text(n, d)} → {worked_solution(n, d)}")
     return 0
