@@ -17,6 +17,7 @@ from megatron_rlvr.data.long_answers import (
     problem_split,
     worked_solution,
 )
+from megatron_rlvr.rewards.long_answers import problem_of
 from megatron_rlvr.rewards.math import verify_math
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,11 +65,11 @@ def test_the_heldout_split_shares_no_problem_with_training_data():
 
     train, heldout = problems("train", 0), problems("heldout", 1)
     assert train and heldout and not train & heldout
-    assert all(is_heldout(*map(int, p.rstrip("=").split("%"))) for p in heldout)
+    assert all(is_heldout(*problem_of(p)) for p in heldout)
     # the halves of train a cold start and an RL run take: disjoint, and each inside train
     cold_start, rl = problems("train_sft", 2), problems("train_rl", 3)
     assert cold_start and rl and not cold_start & rl and not (cold_start | rl) & heldout
-    split_of = {p: problem_split(*map(int, p.rstrip("=").split("%"))) for p in train | cold_start | rl}
+    split_of = {p: problem_split(*problem_of(p)) for p in train | cold_start | rl}
     assert {split_of[p] for p in cold_start} == {"train_sft"} and {split_of[p] for p in rl} == {"train_rl"}
     assert {split_of[p] for p in train} == {"train_sft", "train_rl"}  # train is the two halves
 

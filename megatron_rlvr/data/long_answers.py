@@ -38,7 +38,8 @@ def draw_problem(rng: random.Random, spec: LongAnswerSource) -> tuple[int, int]:
         steps = rng.choices(ks, weights=weights)[0]
         d = rng.randint(2, spec.max_divisor)
         n = steps * d + rng.randrange(d)
-        if spec.split in ("all", problem_split(n, d)) or (spec.split == "train" and not is_heldout(n, d)):
+        split = problem_split(n, d)
+        if spec.split in ("all", split) or (spec.split == "train" and split != "heldout"):
             return n, d
     raise AssertionError("no problem of the split in 10000 draws")
 
