@@ -24,7 +24,6 @@ if TYPE_CHECKING:
 @dataclass
 class Cohort:
     seqs: list[Sequence]
-    generators: list[torch.Generator]  # each row's sampling stream, seeded per sample
     cache: Any  # a transformers Cache holding every row's keys and values
     attention: torch.Tensor  # [B, L] long: 1 where a cached (or next) column is a real token
     positions: torch.Tensor  # [B] long: position id of each row's last fed token
@@ -44,7 +43,6 @@ class Cohort:
             return
         index = torch.tensor(rows, dtype=torch.long)
         self.seqs = [self.seqs[i] for i in rows]
-        self.generators = [self.generators[i] for i in rows]
         self.versions = [self.versions[i] for i in rows]
         self.cache.batch_select_indices(index)
         self.attention, self.positions, self.logits = self.attention[index], self.positions[index], self.logits[index]
@@ -71,7 +69,6 @@ class Cohort:
             ]
         )
         self.seqs += other.seqs
-        self.generators += other.generators
         self.versions += other.versions
         self.positions = torch.cat([self.positions, other.positions])
         self.logits = torch.cat([self.logits, other.logits])

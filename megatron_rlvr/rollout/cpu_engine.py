@@ -1,9 +1,10 @@
 """The CPU rollout engine: SGLang's generation semantics on top of HF transformers.
 
 One scheduler thread batches continuously: a sequence that finishes leaves the batch at that
-step, and waiting sequences join the running batch at the next one (prefilled together, their
-KV cache merged into the running one: rollout/cohort.py), so a long sequence holds one slot,
-not the whole batch. Between decode steps it honours aborts and pauses (abort, retract: drop
+step, and waiting sequences join the running batch (prefilled together, their KV cache merged
+into the running one: rollout/cohort.py) once a quarter of the slots is free for them, so a
+long sequence holds one slot, not the whole batch. A step's rows are sampled together
+(rollout/sampling.py), each from its own seed's stream. Between decode steps it honours aborts and pauses (abort, retract: drop
 the KV and re-prefill later under whatever weights are loaded then, in_place: keep the KV and
 wait; the tokens sampled after continue come from the new weights, and each output token is
 tagged with the weight version of the forward that produced its logits). Every token that goes
@@ -30,6 +31,7 @@ import torch
 from megatron_rlvr.families import Family, family_of, read_hf_config
 from megatron_rlvr.rollout.cohort import Cohort
 from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
+from megatron_rlvr.rollout.sampling import sample_rows
 
 
 class EngineError(ValueError):
@@ -109,6 +111,7 @@ class CpuEngine:
         self.tokenizer = _maybe_tokenizer(model_dir)
         self.eos_ids = _eos_ids(self.model)
         self.max_batch = max_batch
+        self.join_size = max(1, max_batch // 4)  # the fewest newcomers a join waits for (_room_to_admit)
         self.weight_version = weight_version
         self.context_length = int(getattr(self.config, "max_position_embeddings", 4096))
         self._routing_step: dict[int, torch.Tensor] = {}  # layer → top-k ids of the last forward
@@ -238,7 +241,7 @@ class CpuEngine:
                     self._cond.wait()
                 if self._stopped:
                     return
-                room = 0 if self._paused else self.max_batch - sum(len(c.seqs) for c in cohorts)
+                room = 0 if self._paused else self._room_to_admit(sum(len(c.seqs) for c in cohorts))
                 joiners, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._running = [s for c in cohorts for s in c.seqs] + joiners
                 self._stepping = True
@@ -253,6 +256,14 @@ class CpuEngine:
                     if not seq.future.done():
                         seq.future.set_exception(err)
                 cohorts = []
+
+    def _room_to_admit(self, running: int) -> int:
+        """How many waiting sequences join this step. Admission goes in batches: a join costs a
+        prefill and a cache merge, each about one decode forward, so newcomers join when the
+        free slots take a quarter of the batch or all that wait (at once when nothing runs),
+        not one at a time as slots free."""
+        free = self.max_batch - running
+        return free if running == 0 or free >= min(len(self._waiting), self.join_size) else 0
 
     def _finish(self, seq: Sequence, reason: FinishReason) -> None:
         seq.finish = reason
@@ -282,7 +293,6 @@ class CpuEngine:
         self._record_routing(batch, out, [len(s.tokens) for s in batch])
         return Cohort(
             seqs=list(batch),
-            generators=[torch.Generator().manual_seed(s.seed + len(s.output_ids)) for s in batch],
             cache=out.past_key_values,
             attention=attention,
             positions=positions[:, -1],
@@ -294,8 +304,13 @@ class CpuEngine:
         """Samples every row's next token from its pending logits, drops the rows that
         finished, and runs the forward of the rest; False when none is left."""
         next_ids, going = [], []
-        for i, seq in enumerate(cohort.seqs):
-            token, logprob = _sample(cohort.logits[i], seq.params, cohort.generators[i])
+        tokens, logprobs = sample_rows(
+            cohort.logits,
+            [s.params for s in cohort.seqs],
+            [s.seed for s in cohort.seqs],
+            [len(s.output_ids) for s in cohort.seqs],
+        )
+        for i, (seq, token, logprob) in enumerate(zip(cohort.seqs, tokens, logprobs)):
             seq.output_ids.append(token)
             seq.logprobs.append(logprob)
             seq.versions.append(cohort.versions[i])
@@ -364,28 +379,6 @@ class CpuEngine:
         for i, seq in enumerate(batch):
             if seq is not None:
                 seq.routing.extend(chosen[i, steps - fed[i] :])
-
-
-def _sample(logits: torch.Tensor, params: SamplingParams, generator: torch.Generator) -> tuple[int, float]:
-    """Samples one token; returns it with its logprob under log_softmax(logits / T)."""
-    if params.temperature == 0.0:
-        logp = torch.log_softmax(logits, dim=-1)
-        token = int(logits.argmax())
-        return token, float(logp[token])
-    scaled = logits / params.temperature
-    logp = torch.log_softmax(scaled, dim=-1)
-    probs = logp.exp()
-    if params.top_k > 0:
-        kth = probs.topk(min(params.top_k, probs.numel())).values[-1]
-        probs = torch.where(probs >= kth, probs, torch.zeros_like(probs))
-    if params.min_p > 0:
-        probs = torch.where(probs >= params.min_p * probs.max(), probs, torch.zeros_like(probs))
-    if params.top_p < 1.0:
-        sorted_probs, order = probs.sort(descending=True)
-        keep = sorted_probs.cumsum(0) - sorted_probs < params.top_p * sorted_probs.sum()
-        probs = torch.zeros_like(probs).scatter(0, order, sorted_probs * keep)
-    token = int(torch.multinomial(probs / probs.sum(), 1, generator=generator))
-    return token, float(logp[token])
 
 
 def _maybe_tokenizer(model_dir: str):
