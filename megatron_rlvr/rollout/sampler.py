@@ -14,10 +14,12 @@ bound the step gets the useful groups there are (a short batch), and a bound spe
 enough of them ends the run (NothingToLearn) with what the prompts' histories say.
 
 In flight (rollout.updates = in_flight) the engines never wait for the learner: groups are
-filed as they finish (a slow group holds back no other), and between fills the sampler keeps
-about one batch's worth of groups generating and files them, so groups still generating when
-a batch is taken go on across weight updates and serve a later step. Generation runs at most
-one batch ahead: past that, groups would only wait in the buffer and go stale."""
+filed as they finish (a slow group holds back no other), and the sampler keeps one batch's
+worth of groups generating (batch_groups at the useful fraction) while it fills a batch and
+between fills, so the engines' slots stay full through a batch's tail, and groups still
+generating when a batch is taken go on across weight updates and serve a later step.
+Generation runs at most one batch ahead: once the next batch's useful groups are there, no
+more are submitted (they would only wait in the buffer and go stale)."""
 
 from __future__ import annotations
 
@@ -148,11 +150,12 @@ class ActiveSampler:
         return group
 
     async def _keep_busy(self, batch_groups: int, policy_version: int) -> None:
-        """Between fills (in flight): generates toward the next batch (for policy_version)
-        and files each group as it finishes, until the next fill takes over or that batch's
-        useful groups are there (more would only go stale)."""
+        """Between fills (in flight): keeps one batch's worth generating toward the next batch
+        (for policy_version) and files each group as it finishes, until the next fill takes
+        over; no new groups once that batch's useful groups are there (more would go stale)."""
         while self._keep_going:
-            self._top_up(batch_groups - await self.buffer.useful(policy_version), self.max_in_flight)
+            if await self.buffer.useful(policy_version) < batch_groups:
+                self._top_up(batch_groups, self.max_in_flight)
             if not self._pending:
                 return
             await self._file(await self._next_finished())
@@ -202,7 +205,7 @@ class ActiveSampler:
             room = self.max_groups - self._generated
             if room <= 0 and not self._pending:
                 break
-            self._top_up(batch_groups - useful, room)
+            self._top_up(batch_groups if self.in_flight else batch_groups - useful, room)
             await self._file(await self._next_finished())
         while drain and self._pending:
             await self._file(await self._next_finished())
