@@ -4,12 +4,12 @@ One scheduler thread batches continuously: a sequence that finishes leaves the b
 step, and waiting sequences join the running batch (prefilled together, their KV cache merged
 into the running one: rollout/cohort.py) once a quarter of the slots is free for them, so a
 long sequence holds one slot, not the whole batch. A step's rows are sampled together
-(rollout/sampling.py), each from its own seed's stream. Between decode steps it honours aborts and pauses (abort, retract: drop
-the KV and re-prefill later under whatever weights are loaded then, in_place: keep the KV and
-wait; the tokens sampled after continue come from the new weights, and each output token is
-tagged with the weight version of the forward that produced its logits). Every token that goes
-through the model has its router top-k recorded, so `routed_experts` covers exactly positions
-0 … seq_len − 2, as SGLang's does. Logprobs are of the temperature-scaled distribution
+(rollout/sampling.py), each from its own seed's stream. Between decode steps it honours aborts
+and pauses (abort, retract: drop the KV and re-prefill later under whatever weights are loaded
+then, in_place: keep the KV and wait; the tokens sampled after continue come from the new
+weights, and each output token is tagged with the weight version of the forward that produced
+its logits). Every token that goes through the model has its router top-k recorded, so
+`routed_experts` covers exactly positions 0 … seq_len − 2, as SGLang's does. Logprobs are of the temperature-scaled distribution
 (log_softmax(logits / T); raw logits when T = 0), before top-p/top-k truncation.
 
 Weights live in the transformers model; `weights` addresses them by HF checkpoint names with
