@@ -99,7 +99,5 @@ def test_a_row_draws_the_same_token_in_any_batch_and_greedy_is_argmax():
     ]
     assert together == alone
     assert together[2] == int(logits[2].argmax()) and together[4] == int(logits[4].argmax())
-    later, _ = sample_rows(logits, params, seeds, [p + 1 for p in positions])
     noise_now, noise_next = uniform_noise(seeds, positions, 30), uniform_noise(seeds, [p + 1 for p in positions], 30)
-    assert not torch.equal(noise_now, noise_next)  # a new position, new noise
-    assert len(later) == 6
+    assert not torch.isclose(noise_now, noise_next).any()  # a new position draws new noise for every token

@@ -48,7 +48,7 @@ def sample_rows(
 ) -> tuple[list[int], list[float]]:
     """One token per row of logits [rows, vocab] (float32) under each row's sampling params and
     seed, at each row's output position; returns the tokens and their logprobs."""
-    rows, vocab = logits.shape
+    vocab = logits.shape[1]
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     greedy = temperature == 0.0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
