@@ -15,16 +15,19 @@ from megatron_rlvr.data.long_answers import (
     is_heldout,
     length_statistics,
     problem_split,
-    worked_solution,
 )
-from megatron_rlvr.rewards.long_answers import problem_of
+from megatron_rlvr.rewards.long_answers import count_solution, digits_of, solution, worked_solution
 from megatron_rlvr.rewards.math import verify_math
+
+# the demo's problem (configs/long-answers*.yaml)
+ODD_COUNT = {"problem": "odd_count", "max_steps": 32, "tail_exponent": 1.0}
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def test_correct_responses_are_long_and_long_tailed():
-    stats = length_statistics(LongAnswerSource())
+@pytest.mark.parametrize("settings", [{}, ODD_COUNT], ids=["remainder", "odd_count"])
+def test_correct_responses_are_long_and_long_tailed(settings):
+    stats = length_statistics(LongAnswerSource(**settings))
     assert stats["median"] >= 24
     assert stats["p95"] >= 4 * stats["median"]
     assert stats["max"] >= 160
@@ -32,8 +35,8 @@ def test_correct_responses_are_long_and_long_tailed():
 
 def test_lengths_count_the_character_tokenizers_tokens(tmp_path):
     tokenizer = build_arithmetic_tokenizer(tmp_path, CHARS)
-    for n, d in ((88, 8), (5, 2), (217, 9)):
-        text = worked_solution(n, d)
+    longest = count_solution([7] * 52)
+    for text in (worked_solution(88, 8), worked_solution(5, 2), worked_solution(217, 9), longest):
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         assert len(ids) == len(text) and tokenizer.unk_token_id not in ids
         assert tokenizer.decode(ids) == text
@@ -48,14 +51,41 @@ def test_the_math_verifier_scores_worked_solutions():
         assert verify_math(worked_solution(n, d, random.Random(0), step_error_rate=1.0), record.answer) == 0.0
 
 
+def test_an_odd_count_solution_counts_the_odd_digits_step_by_step():
+    assert count_solution([5, 8, 3]) == "a5=1 b8=1 c3=2 #### 2"
+    rng = random.Random(4)
+    for _ in range(200):
+        digits = [rng.randrange(10) for _ in range(rng.randint(1, 52))]
+        steps = count_solution(digits).split(" ")
+        assert steps[-1] == str(sum(x % 2 for x in digits)) and len(steps) == len(digits) + 2
+        assert digits_of(steps_prompt := "".join(s[:2] for s in steps[:-2]) + "=") == digits, steps_prompt
+    with pytest.raises(ValueError, match="not an odd_count problem"):
+        digits_of("a5c8=")  # a label skipped
+
+
+@pytest.mark.parametrize("settings", [{}, ODD_COUNT], ids=["remainder", "odd_count"])
 @pytest.mark.parametrize("rate", [0.02, 0.1])
-def test_the_step_error_rate_sets_how_often_a_worked_solution_is_right(rate):
-    spec = LongAnswerSource(num_prompts=4000, seed=5)
+def test_the_step_error_rate_sets_how_often_a_worked_solution_is_right(rate, settings):
+    spec = LongAnswerSource(num_prompts=4000, seed=5, **settings)
     rng, draw = random.Random(1), random.Random(spec.seed)
     problems = [draw_problem(draw, spec) for _ in range(spec.num_prompts)]
-    right = [verify_math(worked_solution(n, d, rng, rate), str(n % d)) for n, d in problems]
-    expected = statistics.fmean((1 - rate) ** (n // d) for n, d in problems)  # every step right
+    right = [verify_math(solution(p, rng, rate), solution(p).rpartition(" ")[2]) for p in problems]
+    steps = [len(solution(p).split(" ")) - 2 for p in problems]
+    expected = statistics.fmean((1 - rate) ** k for k in steps)  # every step right
     assert statistics.fmean(right) == pytest.approx(expected, abs=0.03)
+
+
+def test_odd_count_problems_are_too_many_to_recall_and_at_most_52_digits():
+    from megatron_rlvr.data.long_answers import problem_counts
+
+    spec = LongAnswerSource(num_prompts=2000, split="heldout", **ODD_COUNT)
+    assert problem_counts(spec)["all"] > 10**32
+    prompts = [r.prompt[0]["content"] for r in load_data(spec, load_config(None).verifier).records]
+    assert all(is_heldout(p) for p in prompts)
+    long = [p for p in prompts if len(p) > 2 * 8]  # 8 digits or more: a third of the draws, never one twice
+    assert len(long) > 500 and len(set(long)) == len(long)
+    with pytest.raises(ValueError, match="at most 52 digits"):
+        LongAnswerSource(problem="odd_count", max_steps=53)
 
 
 def test_the_heldout_split_shares_no_problem_with_training_data():
@@ -65,11 +95,11 @@ def test_the_heldout_split_shares_no_problem_with_training_data():
 
     train, heldout = problems("train", 0), problems("heldout", 1)
     assert train and heldout and not train & heldout
-    assert all(is_heldout(*problem_of(p)) for p in heldout)
+    assert all(is_heldout(p) for p in heldout)
     # the halves of train a cold start and an RL run take: disjoint, and each inside train
     cold_start, rl = problems("train_sft", 2), problems("train_rl", 3)
     assert cold_start and rl and not cold_start & rl and not (cold_start | rl) & heldout
-    split_of = {p: problem_split(*problem_of(p)) for p in train | cold_start | rl}
+    split_of = {p: problem_split(p) for p in train | cold_start | rl}
     assert {split_of[p] for p in cold_start} == {"train_sft"} and {split_of[p] for p in rl} == {"train_rl"}
     assert {split_of[p] for p in train} == {"train_sft", "train_rl"}  # train is the two halves
 
@@ -82,6 +112,10 @@ def test_the_working_verifier_rewards_the_whole_chain_and_not_a_guess():
     assert verify_working("45-7=38 #### 3", record) == 0.0  # the right answer, guessed
     assert verify_working(worked_solution(45, 7).replace("31", "30", 1), record) == 0.0
     assert verify_math("45-7=38 #### 3", "3") == 1.0  # the math verifier reads the answer only
+    counting = {"prompt": [{"role": "user", "content": "a5b8c3="}]}
+    assert verify_working("a5=1 b8=1 c3=2 #### 2", counting) == 1.0
+    assert verify_working("a5=1 b8=2 c3=2 #### 2", counting) == 0.0  # a wrong step, the right answer
+    assert verify_working("#### 2", counting) == 0.0
 
 
 @pytest.mark.parametrize("name", ["long-answers-cpu.yaml", "long-answers-sft-cpu.yaml", "compare-replay-long-cpu.yaml"])
@@ -153,4 +187,4 @@ def test_the_problem_counts_are_the_space_the_draws_come_from():
     assert counts["all"] == 48 + 72 + 96 + 120 and counts["train"] + counts["heldout"] == counts["all"]
     rng = random.Random(spec.seed)
     drawn = {draw_problem(rng, spec) for _ in range(spec.num_prompts)}
-    assert len(drawn) <= counts["all"] and sum(is_heldout(n, d) for n, d in drawn) <= counts["heldout"]
+    assert len(drawn) <= counts["all"] and sum(is_heldout(p) for p in drawn) <= counts["heldout"]

@@ -1,4 +1,4 @@
-"""Where a long-answer model goes wrong: samples each of N held-out and N training problems
+"""Where a long-answer model goes wrong on the remainder problem: samples each of N held-out and N training problems
 (uniform over problems, 4 samples each, temperature 1) with HF transformers and sorts every
 wrong answer by its first step that differs from the correct chain: the first step (read
 from the prompt), a later step (its left side copied wrong, off by one, other), or the end.
@@ -13,7 +13,8 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from megatron_rlvr.data.long_answers import is_heldout, prompt_text, worked_solution
+from megatron_rlvr.data.long_answers import is_heldout
+from megatron_rlvr.rewards.long_answers import prompt_text, worked_solution
 
 
 def first_difference(got: list[str], gold: list[str]) -> str:
@@ -37,7 +38,7 @@ def main(path: str, max_divisor: int = 5, max_steps: int = 24, per_split: int = 
     torch.manual_seed(0)
     problems = [(k * d + r, d) for d in range(2, max_divisor + 1) for k in range(1, max_steps + 1) for r in range(d)]
     for split in ("heldout", "train"):
-        chosen = [p for p in problems if is_heldout(*p) == (split == "heldout")]
+        chosen = [p for p in problems if is_heldout(prompt_text(*p)) == (split == "heldout")]
         random.Random(0).shuffle(chosen)
         kinds: collections.Counter[str] = collections.Counter()
         for n, d in chosen[:per_split]:

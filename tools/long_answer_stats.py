@@ -1,7 +1,9 @@
 """Prints the length statistics of the long-answer task's correct responses (tokens of the
-character tokenizer), for the task's default settings or a given number of problems.
+character tokenizer) and how many distinct problems its settings allow, for the task's default
+settings or the ones given as key=value (the fields of data.type long_answers).
 
-    python tools/long_answer_stats.py [num_prompts [max_divisor [max_steps]]]   # the demo: 512 5
+    python tools/long_answer_stats.py problem=odd_count max_steps=32 tail_exponent=1.0   # the demo
+    python tools/long_answer_stats.py max_divisor=5                                      # the remainder demo
 """
 
 import sys

@@ -90,14 +90,22 @@ class ArithmeticSource(Section):
 
 
 class LongAnswerSource(Section):
-    """The built-in long-answer task: a remainder found by repeated subtraction, every step
-    written out ("45%7=" → "45-7=38 38-7=31 … #### 3"); the number of steps is long-tailed
+    """The built-in long-answer task, every step written out: a remainder by repeated
+    subtraction ("45%7=" → "45-7=38 38-7=31 … #### 3") or the running count of the odd digits
+    of a labelled list ("a5b8c3=" → "a5=1 b8=1 c3=2 #### 2"); the number of steps is long-tailed
     (a truncated power law), so responses are too (megatron_rlvr.data.long_answers)."""
 
     type: Literal["long_answers"] = Field("long_answers", description="long_answers: the built-in long-answer task")
+    problem: Literal["remainder", "odd_count"] = Field(
+        "remainder",
+        description="remainder: n%d by subtraction (a few hundred problems: a tiny model recalls them); "
+        "odd_count: the running count of odd digits (10^k problems of k digits: learned as a rule or not at all)",
+    )
     num_prompts: PositiveInt = Field(512, description="distinct problems")
-    max_divisor: int = Field(9, ge=2, le=99, description="divisors are drawn from 2..max_divisor")
-    max_steps: PositiveInt = Field(24, description="the most subtraction steps one problem takes")
+    max_divisor: int = Field(9, ge=2, le=99, description="divisors are drawn from 2..max_divisor (remainder)")
+    max_steps: PositiveInt = Field(
+        24, description="the most steps one problem takes: subtractions, or digits (odd_count: at most 52)"
+    )
     tail_exponent: float = Field(
         1.2, gt=0.0, le=10.0, description="P(steps = k) ∝ k^-tail_exponent on 1..max_steps: smaller, longer tail"
     )
@@ -108,6 +116,14 @@ class LongAnswerSource(Section):
         "run that never share a problem; heldout: the held-out eighth; all: every problem",
     )
     seed: int = Field(0, description="seed of the problems drawn")
+
+    @model_validator(mode="after")
+    def _check(self) -> LongAnswerSource:
+        if self.problem == "odd_count" and self.max_steps > 52:
+            raise ValueError(
+                f"max_steps = {self.max_steps}: an odd_count problem has at most 52 digits (labels a-z, A-Z)"
+            )
+        return self
 
 
 # Where each field of a record is found, per data.format (dotted paths into a row).

@@ -388,6 +388,12 @@ class TrainerConfig(Section):
     min_lr: float = Field(0.0, ge=0.0, description="the learning rate a decay ends at")
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up from 0 to lr")
     weight_decay: float = Field(0.0, ge=0.0, description="decoupled weight decay")
+    adam_beta2: float = Field(
+        0.999,
+        gt=0.0,
+        lt=1.0,
+        description="Adam's second-moment decay; 0.95 (as most LLM pre-training) adapts faster to a large learning rate",
+    )
     grad_clip: float = Field(1.0, gt=0.0, description="max global gradient norm")
     micro_batch_size: PositiveInt = Field(
         8, description="sequences per forward/backward, each padded to the batch's longest; unused under a token budget"

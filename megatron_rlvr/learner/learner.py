@@ -133,7 +133,7 @@ class Learner:
             min_lr=t.min_lr,
             weight_decay=t.weight_decay,
             adam_beta1=0.9,
-            adam_beta2=0.999,
+            adam_beta2=t.adam_beta2,
             adam_eps=1e-8,
             clip_grad=t.grad_clip,
             bf16=dtype == torch.bfloat16,
