@@ -188,3 +188,14 @@ def test_the_problem_counts_are_the_space_the_draws_come_from():
     rng = random.Random(spec.seed)
     drawn = {draw_problem(rng, spec) for _ in range(spec.num_prompts)}
     assert len(drawn) <= counts["all"] and sum(is_heldout(p) for p in drawn) <= counts["heldout"]
+
+
+def test_the_stats_tool_prints_the_demos_lengths_and_refuses_bad_settings_in_one_line(capsys):
+    from megatron_rlvr.data.long_answers import main
+
+    assert main(["problem=odd_count", "max_steps=32", "tail_exponent=1.0"]) == 0
+    out = capsys.readouterr().out
+    assert "median: 27" in out and "p95: 139" in out and "max: 180" in out
+    for bad, says in (["512"], "'512' is not key=value"), (["problem=odd_count", "max_steps=60"], "at most 52"):
+        with pytest.raises(SystemExit, match=says):
+            main(bad)

@@ -12,7 +12,7 @@ problems measure that. worked_examples() writes solutions for the supervised col
 step wrong with a given probability (a wrong step carries through to a wrong answer):
 imitating them leaves room for RL.
 
-    python tools/long_answer_stats.py [num_prompts [max_divisor [max_steps]]]   # lengths, problem counts
+    python tools/long_answer_stats.py [key=value ...]   # lengths, problem counts (e.g. problem=odd_count)
 """
 
 from __future__ import annotations
@@ -20,6 +20,8 @@ from __future__ import annotations
 import random
 import statistics
 import zlib
+
+from pydantic import ValidationError
 
 from megatron_rlvr.config import LongAnswerSource
 from megatron_rlvr.data.records import LoadedPrompts, PromptRecord
@@ -135,8 +137,16 @@ def _problems(spec: LongAnswerSource) -> list[str]:
 def main(argv: list[str]) -> int:
     """argv: the task's settings as key=value (e.g. problem=odd_count max_steps=32), 512 problems
     unless num_prompts is given."""
+    malformed = [arg for arg in argv if "=" not in arg]
+    if malformed:
+        raise SystemExit(f"long_answer_stats: {malformed[0]!r} is not key=value (e.g. problem=odd_count max_steps=32)")
     settings = dict(arg.split("=", 1) for arg in argv)
-    spec = LongAnswerSource(**{"num_prompts": 512, **settings})
+    try:
+        spec = LongAnswerSource(**{"num_prompts": 512, **settings})
+    except ValidationError as err:  # the first problem, on one line
+        first = err.errors()[0]
+        where = ".".join(map(str, first["loc"])) or "settings"
+        raise SystemExit(f"long_answer_stats: {where}: {first['msg']}") from None
     stats = length_statistics(spec)
     shape = f"divisors 2..{spec.max_divisor}" if spec.problem == "remainder" else "digits 0..9"
     print(
