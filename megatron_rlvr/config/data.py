@@ -120,9 +120,7 @@ class LongAnswerSource(Section):
     @model_validator(mode="after")
     def _check(self) -> LongAnswerSource:
         if self.problem == "odd_count" and self.max_steps > 52:
-            raise ValueError(
-                f"max_steps = {self.max_steps}: an odd_count problem has at most 52 digits (labels a-z, A-Z)"
-            )
+            _raise([f"max_steps = {self.max_steps}: an odd_count problem has at most 52 digits (labels a-z, A-Z)"])
         return self
 
 
