@@ -16,7 +16,7 @@ from megatron_rlvr.data.long_answers import (
     length_statistics,
     problem_split,
 )
-from megatron_rlvr.rewards.long_answers import count_solution, digits_of, solution, worked_solution
+from megatron_rlvr.rewards.long_answers import count_prompt, count_solution, digits_of, solution, worked_solution
 from megatron_rlvr.rewards.math import verify_math
 
 # the demo's problem (configs/long-answers*.yaml)
@@ -199,3 +199,32 @@ def test_the_stats_tool_prints_the_demos_lengths_and_refuses_bad_settings_in_one
     for bad, says in (["512"], "'512' is not key=value"), (["problem=odd_count", "max_steps=60"], "at most 52"):
         with pytest.raises(SystemExit, match=says):
             main(bad)
+
+
+def test_the_length_table_places_each_wrong_answer_and_each_length():
+    """tools/long_answer_lengths.py: a wrong answer is placed at the part of its first wrong
+    step (the label, the digit read from the prompt, the count) or the end; lists of 8 digits
+    or more share one row; greedy and sampled accuracy are per problem of that length."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("lengths", Path(__file__).parents[1] / "tools/long_answer_lengths.py")
+    lengths = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(lengths)
+    gold = solution("a5b8c3=")
+    assert gold == "a5=1 b8=1 c3=2 #### 2"
+    assert lengths.first_wrong_part("a5=1 b9=2 c3=3 #### 3", gold) == "digit"
+    assert lengths.first_wrong_part("a5=1 b8=2 c3=3 #### 3", gold) == "count"
+    assert lengths.first_wrong_part("a5=1 c8=1 c3=2 #### 2", gold) == "label"
+    assert lengths.first_wrong_part("a5=1 b8=1 c3=2 #### 3", gold) == "the end"
+    assert lengths.first_wrong_part("a5=1 b8=1", gold) == "the end"
+    long_gold = solution(count_prompt(list(range(10))))
+    rows = lengths.by_length(
+        [gold, gold, long_gold, solution("a2=")],
+        [gold, "a5=1 b9=2 c3=3 #### 3", long_gold, "a2=1 #### 1"],
+        [[gold, "x"], [gold, gold], ["y", "z"], ["a2=0 #### 0", "a2=0 #### 0"]],
+    )
+    assert list(rows) == [1, 3, 8]
+    assert (rows[3]["problems"], rows[3]["greedy"], rows[3]["sampled"]) == (2, 1, 1.5)
+    assert rows[3]["wrong"] == {"digit": 1}
+    assert (rows[8]["problems"], rows[8]["greedy"], rows[8]["sampled"]) == (1, 1, 0.0)
+    assert (rows[1]["greedy"], rows[1]["sampled"], rows[1]["wrong"]) == (0, 1.0, {"count": 1})
