@@ -37,11 +37,15 @@ def fixed_batch(vocab: int, batch_size: int = 16, length: int = 12) -> TrainBatc
     return TrainBatch(ids, mask)
 
 
-def hf_logprobs(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
-    model = hf_model(hf_dir)
-    with torch.no_grad():
-        logp = torch.log_softmax(model(ids).logits.float(), -1)
+def token_logprobs(model, ids: torch.Tensor) -> torch.Tensor:
+    """Each token's logprob under the model given the tokens before it (0 for the first)."""
+    logp = torch.log_softmax(model(ids).logits.float(), -1)
     return torch.nn.functional.pad(logp[:, :-1].gather(-1, ids[:, 1:, None]).squeeze(-1), (1, 0))
+
+
+def hf_logprobs(hf_dir: str, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return token_logprobs(hf_model(hf_dir), ids)
 
 
 def with_rl_fields(batch: TrainBatch, logprobs: torch.Tensor) -> TrainBatch:

@@ -1,6 +1,6 @@
 """Supervised fine-tuning: the assistant-token mask, the loss against a hand computation, the
-step against HF transformers' own, the layouts against world 1, token-budget batches, the data formats, and the exported cold start
-as an RL run's model."""
+step against HF transformers' own, the layouts against world 1, token-budget batches, the data
+formats, and the exported cold start as an RL run's model."""
 
 import json
 from pathlib import Path
@@ -109,24 +109,19 @@ def test_an_sft_step_is_hf_transformers_own_training_step(world1, tiny_hf_dir):
     masked cross-entropy's gradient norm, and the logprobs after one Adam step with the run's
     settings (clipped as the learner clips). A learner whose gradient or update differs from
     HF's would learn differently while its forward still matched."""
-    from learner_worker import BASE, fixed_batch
+    from learner_worker import BASE, fixed_batch, token_logprobs
     from tiny_families import hf_model
 
     trainer = load_config(None, BASE).trainer
     model = hf_model(str(tiny_hf_dir))
     model.train()
     batch = fixed_batch(model.config.vocab_size)
-
-    def masked_logprobs() -> torch.Tensor:
-        logp = torch.log_softmax(model(batch.input_ids).logits.float(), -1)
-        return torch.nn.functional.pad(logp[:, :-1].gather(-1, batch.input_ids[:, 1:, None]).squeeze(-1), (1, 0))
-
-    before = masked_logprobs()
+    before = token_logprobs(model, batch.input_ids)
     (-(before * batch.response_mask).sum() / batch.response_mask.sum()).backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), trainer.grad_clip)
     torch.optim.Adam(model.parameters(), lr=trainer.lr, betas=(0.9, trainer.adam_beta2), eps=1e-8).step()
     with torch.no_grad():
-        after = masked_logprobs()
+        after = token_logprobs(model, batch.input_ids)
     assert world1["metrics"]["grad_norm"] == pytest.approx(float(grad_norm), rel=1e-5)
     moved = (after - before.detach())[:, 1:].abs().max()
     assert moved > 0.1  # the step is large enough to tell updates apart

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from megatron_rlvr.config import LongAnswerSource
 from megatron_rlvr.data.long_answers import long_answer_prompts
-from megatron_rlvr.rewards.long_answers import solution
+from megatron_rlvr.rewards.long_answers import first_mismatch, solution
 
 LONGEST_ROW = 8  # lists of this many digits or more share the table's last row
 
@@ -24,7 +24,7 @@ def first_wrong_part(response: str, gold: str) -> str:
     """Where a wrong response first leaves the correct working: 'label', 'digit' or 'count'
     of a step ("c3=2"), or 'the end' ('#### n', stopping early or going on)."""
     got, want = response.split(" "), gold.split(" ")
-    i = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+    i = first_mismatch(got, want)
     if i >= len(want) - 2 or i >= len(got):
         return "the end"
     step, gold_step = got[i], want[i]
@@ -50,11 +50,8 @@ def by_length(golds: list[str], greedy: list[str], sampled: list[list[str]]) -> 
     return dict(sorted(rows.items()))
 
 
-def generate(model, tokenizer, prompts: list[str], samples: int) -> tuple[list[str], list[list[str]]]:
-    texts = [
-        tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True)
-        for p in prompts
-    ]
+def generate(model, tokenizer, prompts: list[list[dict]], samples: int) -> tuple[list[str], list[list[str]]]:
+    texts = [tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
     tokenizer.padding_side = "left"
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     common = {"max_new_tokens": 256, "pad_token_id": tokenizer.pad_token_id, "eos_token_id": tokenizer.eos_token_id}
@@ -71,7 +68,7 @@ def main(path: str, num_prompts: int = 192, samples: int = 4, seed: int = 7) -> 
     spec = LongAnswerSource(
         problem="odd_count", max_steps=32, tail_exponent=1.0, split="heldout", num_prompts=num_prompts, seed=seed
     )
-    prompts = [r.prompt[-1]["content"] for r in long_answer_prompts(spec).records]
+    prompts = [r.prompt for r in long_answer_prompts(spec).records]
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     torch.manual_seed(0)
@@ -86,16 +83,18 @@ def main(path: str, num_prompts: int = 192, samples: int = 4, seed: int = 7) -> 
         f"{path}: {num_prompts} held-out odd_count problems (max_steps 32, tail 1.0, seed {seed}), {samples} samples each"
     )
     print("digits  problems  greedy  sampled  first wrong part of the wrong greedy answers")
-    for steps, row in by_length(golds, greedy, sampled).items():
+    rows = by_length(golds, greedy, sampled)
+    for steps, row in rows.items():
         wrong = ", ".join(f"{part} {n}" for part, n in row["wrong"].most_common())
         label = f"{steps}+" if steps == LONGEST_ROW else str(steps)
-        print(
-            f"{label:>6}  {row['problems']:>8}  {row['greedy'] / row['problems']:>6.3f}  {row['sampled'] / row['problems']:>7.3f}  {wrong}"
-        )
+        print(f"{label:>6}  {_rates(row)}  {wrong}")
     print(
-        f"   all  {len(prompts):>8}  {sum(g == s for g, s in zip(greedy, golds)) / len(prompts):>6.3f}  "
-        f"{sum(sum(x == g for x in s) / len(s) for s, g in zip(sampled, golds)) / len(prompts):>7.3f}"
+        f"   all  {_rates({key: sum(row[key] for row in rows.values()) for key in ('problems', 'greedy', 'sampled')})}"
     )
+
+
+def _rates(row: dict) -> str:
+    return f"{row['problems']:>8}  {row['greedy'] / row['problems']:>6.3f}  {row['sampled'] / row['problems']:>7.3f}"
 
 
 def parse(argv: list[str]) -> tuple[str, dict[str, int]]:

@@ -98,5 +98,10 @@ def verify_steps(response: str, record: dict) -> float:
     gold = [*gold[:-2], " ".join(gold[-2:])]  # the steps, then '#### r' as one unit
     got = response.strip().split(" ")
     got = [*got[: len(gold) - 1], " ".join(got[len(gold) - 1 :])]
-    right = next((i for i, (a, b) in enumerate(zip(got, gold)) if a != b), min(len(got), len(gold)))
-    return right / len(gold)
+    return first_mismatch(got, gold) / len(gold)
+
+
+def first_mismatch(got: list[str], gold: list[str]) -> int:
+    """The index of the first unit where got leaves gold (the shorter one's length if neither
+    does before it ends)."""
+    return next((i for i, (a, b) in enumerate(zip(got, gold)) if a != b), min(len(got), len(gold)))
