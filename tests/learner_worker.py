@@ -505,10 +505,12 @@ def learner_equality(
     return out
 
 
-def sft_scenario(learner: Learner, hf_dir: str) -> dict:
+def sft_scenario(learner: Learner, hf_dir: str, packed: bool) -> dict:
     """One SFT step on micro-batches of three widths (rows 0-3, 4-8, 9-15 of the fixed batch),
-    against the masked cross-entropy computed by hand from HF's logprobs; then the export,
-    scored by HF transformers as an engine would load it."""
+    or packed (sft.pack_sequences: the rows back to back in rows of at most 70 tokens), against
+    the masked cross-entropy computed by hand from HF's logprobs; then the export, scored by HF
+    transformers as an engine would load it."""
+    from megatron_rlvr.sft.data import Example, pack_micro_batches
     from megatron_rlvr.sft.rank import export_hf_folder
 
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
@@ -516,6 +518,14 @@ def sft_scenario(learner: Learner, hf_dir: str) -> dict:
         TrainBatch(batch.input_ids[rows, :width], batch.response_mask[rows, :width])
         for rows, width in ((slice(0, 4), 10), (slice(4, 9), 11), (slice(9, 16), 12))
     ]
+    if packed:
+        ends = [int(row.nonzero().max()) + 1 for row in batch.response_mask]
+        rows = [
+            Example(ids[:n].tolist(), mask[:n].int().tolist())
+            for ids, mask, n in zip(batch.input_ids, batch.response_mask, ends)
+        ]
+        micro = pack_micro_batches(rows, micro_batch_tokens=70, pad_id=0, packed=True)
+        assert len(micro) == 2 and all(mb.segments is not None for mb in micro)
     reference = hf_logprobs(hf_dir, batch.input_ids)
     by_hand = float(-(reference * batch.response_mask).sum() / batch.response_mask.sum())
     heldout = learner.sft_step(micro, train=False)
@@ -553,8 +563,8 @@ def main() -> None:
     batch = fixed_batch(learner.bridge.hf_config.vocab_size)
     if scenario == "parity":
         result = parity(learner, hf_dir)
-    elif scenario == "sft":
-        result = sft_scenario(learner, hf_dir)
+    elif scenario in ("sft", "sft-packed"):
+        result = sft_scenario(learner, hf_dir, packed=scenario == "sft-packed")
     elif scenario == "descent":
         result = descent(learner)
     elif scenario == "ckpt-specs":

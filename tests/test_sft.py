@@ -92,6 +92,22 @@ def test_micro_batches_stay_within_the_token_budget_and_hold_every_row():
     assert sorted(first_epoch) == sorted(id(e) for e in examples)
 
 
+def test_packed_micro_batches_hold_every_example_once_without_padding():
+    examples = [Example([n] * n, [0] + [1] * (n - 1)) for n in (3, 40, 7, 19, 19, 2, 33, 8)]
+    micro = pack_micro_batches(examples, micro_batch_tokens=48, pad_id=0, packed=True)
+    assert all(mb.size == 1 and mb.input_ids.shape[1] <= 48 for mb in micro)
+    assert len(micro) == 3  # 131 tokens in the fewest rows of 48 (first-fit decreasing)
+    pieces = []
+    for mb in micro:
+        for segment in mb.segments[0].unique_consecutive():
+            where = mb.segments[0] == segment
+            ids = mb.input_ids[0, where]
+            assert (ids == len(ids)).all()  # one example, whole
+            assert mb.response_mask[0, where].tolist() == [0] + [1] * (len(ids) - 1)
+            pieces.append(len(ids))
+    assert sorted(pieces) == sorted(len(e) for e in examples)
+
+
 @pytest.fixture(scope="module")
 def world1(tiny_hf_dir, tmp_path_factory):
     return run_ranks(1, ["sft", str(tiny_hf_dir)], tmp_path_factory.mktemp("sft-world1"))[0]
@@ -137,6 +153,20 @@ def test_the_cold_start_is_an_rl_runs_model(world1):
 def test_sft_step_in_two_process_layouts_equals_world1(layout, world1, tiny_hf_dir, tmp_path):
     for rank, r in enumerate(run_ranks(2, ["sft", str(tiny_hf_dir), *LAYOUTS[layout]], tmp_path)):
         assert r["heldout"]["sft_loss"] == pytest.approx(world1["heldout"]["sft_loss"], abs=1e-5), rank
+        assert r["metrics"]["sft_loss"] == pytest.approx(world1["metrics"]["sft_loss"], abs=1e-5), rank
+        assert r["metrics"]["grad_norm"] == pytest.approx(world1["metrics"]["grad_norm"], rel=1e-5), rank
+        after = torch.tensor(r["logprobs_after_step"]) - torch.tensor(world1["logprobs_after_step"])
+        assert after.abs().max() <= 1e-5, rank
+
+
+@pytest.mark.parametrize("layout", ["world1", "pp2"])
+def test_a_packed_sft_step_equals_the_padded_one(layout, world1, tiny_hf_dir, tmp_path):
+    """sft.pack_sequences: the same rows back to back in two rows under a block-diagonal causal
+    mask give the padded step's loss, gradient and update (world 1, and pipeline parallel, whose
+    stages pass the packed rows' activations)."""
+    world, extra = (1, []) if layout == "world1" else (2, LAYOUTS[layout])
+    for rank, r in enumerate(run_ranks(world, ["sft-packed", str(tiny_hf_dir), *extra], tmp_path)):
+        assert r["heldout"]["sft_loss"] == pytest.approx(world1["by_hand"], abs=1e-5), rank
         assert r["metrics"]["sft_loss"] == pytest.approx(world1["metrics"]["sft_loss"], abs=1e-5), rank
         assert r["metrics"]["grad_norm"] == pytest.approx(world1["metrics"]["grad_norm"], rel=1e-5), rank
         after = torch.tensor(r["logprobs_after_step"]) - torch.tensor(world1["logprobs_after_step"])

@@ -19,6 +19,12 @@ attention (the local spec's DotProductAttention refuses packed sequences), that 
 is written to Megatron-Core 0.16's documented API (GPTModel.forward's packed_seq_params,
 qkv_format "thd") and checked only by the `gpu` test that scripts/gpu_check.py's `packed` step
 runs; no machine this was written on had a GPU.
+
+The local attention takes another form of packing instead (sft.pack_sequences): rows that each
+hold several sequences back to back, numbered by TrainBatch.segments, under a block-diagonal
+causal mask (`block_causal_mask`) with positions restarting per sequence. Rotary embeddings
+depend only on the distance between two positions, so a sequence's logits are those of its own
+row; attention then costs the square of the row's length.
 """
 
 from __future__ import annotations
@@ -114,3 +120,20 @@ def packed_seq_params(rows: PackedRows, device: torch.device):
         max_seqlen_q=longest,
         max_seqlen_kv=longest,
     )
+
+
+def segment_positions(segments: torch.Tensor) -> torch.Tensor:
+    """[B, T] position ids restarting at 0 wherever the sequence number changes along a row."""
+    index = torch.arange(segments.shape[1]).expand_as(segments)
+    starts = torch.ones_like(segments, dtype=torch.bool)
+    starts[:, 1:] = segments[:, 1:] != segments[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
+
+
+def block_causal_mask(segments: torch.Tensor) -> torch.Tensor:
+    """[B, 1, T, T] bool, True where a query may not attend (Megatron's convention): a later
+    position, or one of another sequence."""
+    length = segments.shape[1]
+    causal = torch.ones(length, length, dtype=torch.bool).tril()
+    same = segments[:, :, None] == segments[:, None, :]
+    return ~(same & causal).unsqueeze(1)

@@ -1,7 +1,8 @@
 """Supervised fine-tuning through the learner's pipeline schedule: masked cross-entropy, the
 mean negative logprob of the assistant's tokens over a whole step.
 
-A step's micro-batches (first-fit-decreasing groups of rows, each its own shape) are dealt
+A step's micro-batches (first-fit-decreasing groups of rows, each its own shape, or rows of
+sequences packed under a block-diagonal mask: learner/packing.py) are dealt
 round-robin over data-parallel ranks; under sequence parallel each is right-padded to a
 multiple of tp; under pipeline parallel all take one shape (the stages exchange activations
 of a fixed shape). Each micro-batch's summed loss is divided by the step's assistant-token
@@ -17,6 +18,7 @@ import torch.distributed as dist
 
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.learner.logits import logprobs_and_entropy
+from megatron_rlvr.learner.packing import block_causal_mask, segment_positions
 from megatron_rlvr.learner.parallel import device as rank_device
 
 
@@ -38,7 +40,10 @@ def local_micro_batches(
 
 def _padded(mb: TrainBatch, rows: int, width: int) -> TrainBatch:
     pad = (0, width - mb.input_ids.shape[1], 0, rows - mb.size)
-    return TrainBatch(torch.nn.functional.pad(mb.input_ids, pad), torch.nn.functional.pad(mb.response_mask, pad))
+    segments = None if mb.segments is None else torch.nn.functional.pad(mb.segments, pad)
+    return TrainBatch(
+        torch.nn.functional.pad(mb.input_ids, pad), torch.nn.functional.pad(mb.response_mask, pad), segments=segments
+    )
 
 
 def sft_schedule(chunks, micro: list[TrainBatch], *, normalizer: float, dp: int, forward_only: bool) -> list[dict]:
@@ -68,8 +73,11 @@ def _schedule(chunks, micro: list[TrainBatch], loss_fn, *, forward_only: bool) -
     def forward_step(data_iterator, model):
         mb = next(data_iterator)
         ids = mb.input_ids.to(device)
-        positions = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids)
-        return model(ids, positions, None), partial(loss_fn, mb)
+        if mb.segments is None:
+            positions, mask = torch.arange(ids.shape[1], device=device).unsqueeze(0).expand_as(ids), None
+        else:  # packed rows (sft.pack_sequences): each sequence attends only to itself
+            positions, mask = segment_positions(mb.segments).to(device), block_causal_mask(mb.segments).to(device)
+        return model(ids, positions, mask), partial(loss_fn, mb)
 
     return get_forward_backward_func()(
         forward_step_func=forward_step,

@@ -2,7 +2,8 @@
 `train` places its ranks), as the cold start of an RL run.
 
 Each step trains on sft.batch_tokens tokens of conversations, grouped first-fit-decreasing
-into micro-batches of at most sft.micro_batch_tokens; the held-out conversations' loss is
+into micro-batches of at most sft.micro_batch_tokens (or packed into rows of that many,
+sft.pack_sequences); the held-out conversations' loss is
 logged every sft.eval_interval steps. At the end the model is exported as an HF folder (the
 RL config's model.path) and, with sft.pass_at_1, scored on eval.sets by an engine and the
 verifiers, through the evaluation `train` runs at its step 0. Metrics go where train's go
@@ -58,7 +59,9 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
         raise SftError(f"sft: nothing to train on ({len(kept)} conversations, sft.heldout_examples = {len(heldout)})")
     pad = tokenizer.pad_token_id or 0
     batches = sft_data.step_batches(train, sft.batch_tokens, t.steps, t.seed)
-    heldout_micro = sft_data.pack_micro_batches(heldout, sft.micro_batch_tokens, pad) if heldout else []
+    heldout_micro = (
+        sft_data.pack_micro_batches(heldout, sft.micro_batch_tokens, pad, sft.pack_sequences) if heldout else []
+    )
     once = {
         "data/sft_examples": len(train),
         "data/sft_heldout": len(heldout),
@@ -88,7 +91,9 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
                     report.log_eval(0, {"heldout/sft_loss": on_all("sft_step", heldout_micro, False)["sft_loss"]})
                 for step in range(first, t.steps + 1):
                     started = time.perf_counter()
-                    micro = sft_data.pack_micro_batches(batches[step - 1], sft.micro_batch_tokens, pad)
+                    micro = sft_data.pack_micro_batches(
+                        batches[step - 1], sft.micro_batch_tokens, pad, sft.pack_sequences
+                    )
                     metrics = on_all("sft_step", placement.share(micro), True)
                     seconds = time.perf_counter() - started
                     last = {

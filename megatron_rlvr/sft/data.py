@@ -23,7 +23,7 @@ from megatron_rlvr.data.chat import PromptRenderer
 from megatron_rlvr.data.files import lookup
 from megatron_rlvr.data.long_answers import worked_examples
 from megatron_rlvr.data.records import ROLES, DataError, PromptRecord
-from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.learner.batch import TrainBatch, budget_bins
 
 Conversation = list[dict[str, Any]]
 
@@ -163,11 +163,18 @@ def step_batches(examples: list[Example], batch_tokens: int, steps: int, seed: i
     return batches
 
 
-def pack_micro_batches(examples: list[Example], micro_batch_tokens: int, pad_id: int) -> list[TrainBatch]:
+def pack_micro_batches(
+    examples: list[Example], micro_batch_tokens: int, pad_id: int, packed: bool = False
+) -> list[TrainBatch]:
     """Rows grouped longest first: a micro-batch takes the next row while its padded size
     (rows × its longest row) stays within micro_batch_tokens. Neighbours in length share a
     micro-batch, so little of it is padding (back-filling a long row's micro-batch with short
-    ones, as first-fit would, pads each of them to the long one)."""
+    ones, as first-fit would, pads each of them to the long one). Packed (sft.pack_sequences):
+    a micro-batch is one row, its examples back to back (first-fit decreasing on their summed
+    lengths), each attending only to itself: no padding at all."""
+    if packed:
+        bins = budget_bins([len(e) for e in examples], micro_batch_tokens, packed=True)
+        return [_packed_row([examples[i] for i in members]) for members in bins]
     bins: list[list[Example]] = []
     for example in sorted(examples, key=len, reverse=True):
         if bins and (len(bins[-1]) + 1) * len(bins[-1][0]) <= micro_batch_tokens:
@@ -175,6 +182,17 @@ def pack_micro_batches(examples: list[Example], micro_batch_tokens: int, pad_id:
         else:
             bins.append([example])
     return [_to_batch(members, pad_id) for members in bins]
+
+
+def _packed_row(members: list[Example]) -> TrainBatch:
+    """One row of the examples back to back, with the number of the example each position holds.
+    An example's first token is never a target (a prompt comes first), so no loss term crosses
+    from one example into the next."""
+    ids = torch.tensor([token for e in members for token in e.ids]).unsqueeze(0)
+    mask = torch.tensor([m for e in members for m in e.mask], dtype=torch.float32).unsqueeze(0)
+    lengths = torch.tensor([len(e) for e in members])
+    segments = torch.repeat_interleave(torch.arange(len(members)), lengths).unsqueeze(0)
+    return TrainBatch(ids, mask, segments=segments)
 
 
 def _to_batch(members: list[Example], pad_id: int) -> TrainBatch:

@@ -14,9 +14,18 @@ class SftRank(LearnerRank):
         self, master: tuple[str, int], engine_urls: list[str] | None = None, api_key: str | None = None
     ) -> int | None:
         """Joins the world and builds this rank's model shard."""
+        from megatron_rlvr.config import ConfigError
         from megatron_rlvr.learner.learner import Learner
+        from megatron_rlvr.learner.model import have_transformer_engine
         from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
 
+        if self.cfg.sft.pack_sequences and self.cfg.parallel.device == "cuda" and have_transformer_engine():
+            raise ConfigError(
+                [
+                    "sft.pack_sequences = true: the block-diagonal mask runs on the local attention; "
+                    "transformer-engine's ignores it (set sft.pack_sequences=false)"
+                ]
+            )
         init_parallel(self.cfg.parallel, Rendezvous(self.rank, self.world_size, *master), seed=self.cfg.trainer.seed)
         self.joined = True
         self.learner = Learner(self.cfg, self.model_dir)
