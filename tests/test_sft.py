@@ -93,7 +93,7 @@ def test_micro_batches_stay_within_the_token_budget_and_hold_every_row():
 
 
 def test_packed_micro_batches_hold_every_example_once_without_padding():
-    examples = [Example([n] * n, [0] + [1] * (n - 1)) for n in (3, 40, 7, 19, 19, 2, 33, 8)]
+    examples = [Example([n] * n, [1] * n) for n in (3, 40, 7, 19, 19, 2, 33, 8)]
     micro = pack_micro_batches(examples, micro_batch_tokens=48, pad_id=0, packed=True)
     assert all(mb.size == 1 and mb.input_ids.shape[1] <= 48 for mb in micro)
     assert len(micro) == 3  # 131 tokens in the fewest rows of 48 (first-fit decreasing)
@@ -103,6 +103,7 @@ def test_packed_micro_batches_hold_every_example_once_without_padding():
             where = mb.segments[0] == segment
             ids = mb.input_ids[0, where]
             assert (ids == len(ids)).all()  # one example, whole
+            # an example's first position is no target (the padded layout's position 0)
             assert mb.response_mask[0, where].tolist() == [0] + [1] * (len(ids) - 1)
             pieces.append(len(ids))
     assert sorted(pieces) == sorted(len(e) for e in examples)

@@ -32,9 +32,7 @@ class TrainBatch:
     routed_experts: torch.Tensor | None = None  # [B, T, num_hidden_layers, top_k]: engine routing (R3)
     token_versions: torch.Tensor | None = None  # [B, T] long: policy version of each response token (-1: none)
     kept: torch.Tensor | None = None  # [B, T] 0/1: tokens the step's rollout rejection keeps (None: all)
-    segments: torch.Tensor | None = (
-        None  # [B, T] long: packed conversations (sft.pack_sequences), each sees only itself
-    )
+    segments: torch.Tensor | None = None  # [B, T] long: packed sequences' numbers (sft.pack_sequences)
 
     @property
     def size(self) -> int:

@@ -186,10 +186,10 @@ def pack_micro_batches(
 
 def _packed_row(members: list[Example]) -> TrainBatch:
     """One row of the examples back to back, with the number of the example each position holds.
-    An example's first token is never a target (a prompt comes first), so no loss term crosses
-    from one example into the next."""
+    An example's first position is no target, as in a padded row's position 0: its logprob would
+    come from the example before."""
     ids = torch.tensor([token for e in members for token in e.ids]).unsqueeze(0)
-    mask = torch.tensor([m for e in members for m in e.mask], dtype=torch.float32).unsqueeze(0)
+    mask = torch.tensor([m for e in members for m in [0, *e.mask[1:]]], dtype=torch.float32).unsqueeze(0)
     lengths = torch.tensor([len(e) for e in members])
     segments = torch.repeat_interleave(torch.arange(len(members)), lengths).unsqueeze(0)
     return TrainBatch(ids, mask, segments=segments)
