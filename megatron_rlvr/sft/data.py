@@ -173,8 +173,8 @@ def pack_micro_batches(
     a micro-batch is one row, its examples back to back (first-fit decreasing on their summed
     lengths), each attending only to itself: no padding at all."""
     if packed:
-        bins = budget_bins([len(e) for e in examples], micro_batch_tokens, packed=True)
-        return [_packed_row([examples[i] for i in members]) for members in bins]
+        rows = budget_bins([len(e) for e in examples], micro_batch_tokens, packed=True)
+        return [_packed_row([examples[i] for i in members]) for members in rows]
     bins: list[list[Example]] = []
     for example in sorted(examples, key=len, reverse=True):
         if bins and (len(bins[-1]) + 1) * len(bins[-1][0]) <= micro_batch_tokens:

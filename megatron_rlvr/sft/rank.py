@@ -19,7 +19,8 @@ class SftRank(LearnerRank):
         from megatron_rlvr.learner.model import have_transformer_engine
         from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
 
-        if self.cfg.sft.pack_sequences and self.cfg.parallel.device == "cuda" and have_transformer_engine():
+        packs = self.cfg.sft is not None and self.cfg.sft.pack_sequences
+        if packs and self.cfg.parallel.device == "cuda" and have_transformer_engine():
             raise ConfigError(
                 [
                     "sft.pack_sequences = true: the block-diagonal mask runs on the local attention; "
