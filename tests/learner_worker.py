@@ -17,7 +17,7 @@ import torch
 from tiny_families import hf_forward_with_routing, hf_model
 
 from megatron_rlvr.config import load_config
-from megatron_rlvr.learner.batch import TrainBatch
+from megatron_rlvr.learner.batch import TrainBatch, row_extents
 from megatron_rlvr.learner.checkpoint import load_checkpoint, save_checkpoint
 from megatron_rlvr.learner.learner import Learner
 from megatron_rlvr.learner.model import mtp_tensor_names
@@ -519,10 +519,9 @@ def sft_scenario(learner: Learner, hf_dir: str, packed: bool) -> dict:
         for rows, width in ((slice(0, 4), 10), (slice(4, 9), 11), (slice(9, 16), 12))
     ]
     if packed:
-        ends = [int(row.nonzero().max()) + 1 for row in batch.response_mask]
         rows = [
             Example(ids[:n].tolist(), mask[:n].int().tolist())
-            for ids, mask, n in zip(batch.input_ids, batch.response_mask, ends)
+            for ids, mask, n in zip(batch.input_ids, batch.response_mask, row_extents(batch).tolist())
         ]
         micro = pack_micro_batches(rows, micro_batch_tokens=70, pad_id=0, packed=True)
         assert len(micro) == 2 and all(mb.segments is not None for mb in micro)

@@ -65,7 +65,7 @@ def make_bridge(
     spec (and no fused kernels) otherwise; the family's own settings over the bridge's."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 
-    use_te = device == "cuda" and have_transformer_engine()
+    use_te = uses_transformer_engine(device)
     base: Any = _bridge_class(hf_config.model_type)  # a class chosen at run time
     family = family_of(hf_config)
 
@@ -117,6 +117,11 @@ def make_bridge(
         )
     bridge.set_extra_args(**overrides)
     return bridge
+
+
+def uses_transformer_engine(device: str) -> bool:
+    """Whether the learner's layers are transformer-engine's (CUDA, TE importable) or the local spec's."""
+    return device == "cuda" and have_transformer_engine()
 
 
 def have_transformer_engine() -> bool:

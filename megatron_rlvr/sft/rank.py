@@ -16,11 +16,11 @@ class SftRank(LearnerRank):
         """Joins the world and builds this rank's model shard."""
         from megatron_rlvr.config import ConfigError
         from megatron_rlvr.learner.learner import Learner
-        from megatron_rlvr.learner.model import have_transformer_engine
+        from megatron_rlvr.learner.model import uses_transformer_engine
         from megatron_rlvr.learner.parallel import Rendezvous, init_parallel
 
         packs = self.cfg.sft is not None and self.cfg.sft.pack_sequences
-        if packs and self.cfg.parallel.device == "cuda" and have_transformer_engine():
+        if packs and uses_transformer_engine(self.cfg.parallel.device):
             raise ConfigError(
                 [
                     "sft.pack_sequences = true: the block-diagonal mask runs on the local attention; "
