@@ -507,7 +507,8 @@ def learner_equality(
 
 def sft_scenario(learner: Learner, hf_dir: str, packed: bool) -> dict:
     """One SFT step on micro-batches of three widths (rows 0-3, 4-8, 9-15 of the fixed batch),
-    or packed (sft.pack_sequences: the rows back to back in rows of at most 70 tokens), against
+    or packed (sft.pack_sequences: the rows back to back in rows of at most 35 tokens, two rows a
+    micro-batch, padded at their ends), against
     the masked cross-entropy computed by hand from HF's logprobs; then the export, scored by HF
     transformers as an engine would load it."""
     from megatron_rlvr.sft.data import Example, pack_micro_batches
@@ -523,8 +524,9 @@ def sft_scenario(learner: Learner, hf_dir: str, packed: bool) -> dict:
             Example(ids[:n].tolist(), mask[:n].int().tolist())
             for ids, mask, n in zip(batch.input_ids, batch.response_mask, row_extents(batch).tolist())
         ]
-        micro = pack_micro_batches(rows, micro_batch_tokens=70, pad_id=0, packed=True)
-        assert len(micro) == 2 and all(mb.segments is not None for mb in micro)
+        micro = pack_micro_batches(rows, micro_batch_tokens=70, pad_id=0, packed=True, row_tokens=35)
+        assert len(micro) == 2 and all(mb.size == 2 and mb.segments is not None for mb in micro)
+        assert any((mb.segments == -1).any() for mb in micro)  # rows padded at their ends
     reference = hf_logprobs(hf_dir, batch.input_ids)
     by_hand = float(-(reference * batch.response_mask).sum() / batch.response_mask.sum())
     heldout = learner.sft_step(micro, train=False)

@@ -92,21 +92,32 @@ def test_micro_batches_stay_within_the_token_budget_and_hold_every_row():
     assert sorted(first_epoch) == sorted(id(e) for e in examples)
 
 
-def test_packed_micro_batches_hold_every_example_once_without_padding():
+def test_packed_micro_batches_hold_every_example_once_and_pad_only_row_ends():
     examples = [Example([n] * n, [1] * n) for n in (3, 40, 7, 19, 19, 2, 33, 8)]
-    micro = pack_micro_batches(examples, micro_batch_tokens=48, pad_id=0, packed=True)
-    assert all(mb.size == 1 and mb.input_ids.shape[1] <= 48 for mb in micro)
-    assert len(micro) == 3  # 131 tokens in the fewest rows of 48 (first-fit decreasing)
-    pieces = []
+    micro = pack_micro_batches(examples, micro_batch_tokens=96, pad_id=0, packed=True, row_tokens=48)
+    # 131 tokens in the fewest rows of 48 (first-fit decreasing: 3), two rows a micro-batch
+    assert [mb.size for mb in micro] == [2, 1]
+    assert all(mb.input_ids.shape[1] <= 48 for mb in micro)
+    pieces, padding = [], 0
     for mb in micro:
-        for segment in mb.segments[0].unique_consecutive():
-            where = mb.segments[0] == segment
-            ids = mb.input_ids[0, where]
-            assert (ids == len(ids)).all()  # one example, whole
-            # an example's first position is no target (the padded layout's position 0)
-            assert mb.response_mask[0, where].tolist() == [0] + [1] * (len(ids) - 1)
-            pieces.append(len(ids))
+        for row in range(mb.size):
+            segments = mb.segments[row]
+            pad = segments == -1
+            assert not mb.response_mask[row, pad].any() and (mb.input_ids[row, pad] == 0).all()
+            if pad.any():  # padding only after the row's last example
+                assert pad[int(pad.nonzero()[0]) :].all()
+            padding += int(pad.sum())
+            for segment in segments[~pad].unique_consecutive():
+                where = segments == segment
+                ids = mb.input_ids[row, where]
+                assert (ids == len(ids)).all()  # one example, whole
+                # an example's first position is no target (the padded layout's position 0)
+                assert mb.response_mask[row, where].tolist() == [0] + [1] * (len(ids) - 1)
+                pieces.append(len(ids))
     assert sorted(pieces) == sorted(len(e) for e in examples)
+    assert padding == sum(mb.input_ids.numel() for mb in micro) - 131
+    one_row = pack_micro_batches(examples, micro_batch_tokens=48, pad_id=0, packed=True)
+    assert [mb.size for mb in one_row] == [1, 1, 1]  # row_tokens defaults to the micro-batch
 
 
 @pytest.fixture(scope="module")
@@ -162,8 +173,8 @@ def test_sft_step_in_two_process_layouts_equals_world1(layout, world1, tiny_hf_d
 
 @pytest.mark.parametrize("layout", ["world1", "pp2"])
 def test_a_packed_sft_step_equals_the_padded_one(layout, world1, tiny_hf_dir, tmp_path):
-    """sft.pack_sequences: the same rows back to back in two rows under a block-diagonal causal
-    mask give the padded step's loss, gradient and update (world 1, and pipeline parallel, whose
+    """sft.pack_sequences: the same rows back to back in four rows, two a micro-batch, under a
+    block-diagonal causal mask give the padded step's loss, gradient and update (world 1, and pipeline parallel, whose
     stages pass the packed rows' activations)."""
     world, extra = (1, []) if layout == "world1" else (2, LAYOUTS[layout])
     for rank, r in enumerate(run_ranks(world, ["sft-packed", str(tiny_hf_dir), *extra], tmp_path)):

@@ -65,9 +65,10 @@ class SftConfig(Section):
     max_tokens: PositiveInt = Field(1024, description="longer conversations are dropped (counted)")
     pack_sequences: bool = Field(
         False,
-        description="a micro-batch is one row of conversations back to back, each attending only to "
-        "itself (a block-diagonal causal mask), instead of rows padded to the longest: no padding, "
-        "attention quadratic in micro_batch_tokens; the local attention only (CPU, not transformer-engine)",
+        description="conversations back to back in rows of max_tokens, each attending only to itself "
+        "(a block-diagonal causal mask), micro_batch_tokens // max_tokens rows a micro-batch, instead of "
+        "one conversation a row padded to the longest: padding only at row ends, attention quadratic in "
+        "max_tokens; the local attention only (CPU, not transformer-engine)",
     )
     eval_interval: int = Field(20, ge=0, description="steps between held-out losses; 0: at the end only")
     export_dir: str | None = Field(

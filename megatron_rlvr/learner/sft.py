@@ -40,7 +40,7 @@ def local_micro_batches(
 
 def _padded(mb: TrainBatch, rows: int, width: int) -> TrainBatch:
     pad = (0, width - mb.input_ids.shape[1], 0, rows - mb.size)
-    segments = None if mb.segments is None else torch.nn.functional.pad(mb.segments, pad)
+    segments = None if mb.segments is None else torch.nn.functional.pad(mb.segments, pad, value=-1)
     return TrainBatch(
         torch.nn.functional.pad(mb.input_ids, pad), torch.nn.functional.pad(mb.response_mask, pad), segments=segments
     )

@@ -59,9 +59,13 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
         raise SftError(f"sft: nothing to train on ({len(kept)} conversations, sft.heldout_examples = {len(heldout)})")
     pad = tokenizer.pad_token_id or 0
     batches = sft_data.step_batches(train, sft.batch_tokens, t.steps, t.seed)
-    heldout_micro = (
-        sft_data.pack_micro_batches(heldout, sft.micro_batch_tokens, pad, sft.pack_sequences) if heldout else []
-    )
+
+    def micro_batches(examples: list[sft_data.Example]) -> list:
+        return sft_data.pack_micro_batches(
+            examples, sft.micro_batch_tokens, pad, sft.pack_sequences, row_tokens=sft.max_tokens
+        )
+
+    heldout_micro = micro_batches(heldout) if heldout else []
     once = {
         "data/sft_examples": len(train),
         "data/sft_heldout": len(heldout),
@@ -91,9 +95,7 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
                     report.log_eval(0, {"heldout/sft_loss": on_all("sft_step", heldout_micro, False)["sft_loss"]})
                 for step in range(first, t.steps + 1):
                     started = time.perf_counter()
-                    micro = sft_data.pack_micro_batches(
-                        batches[step - 1], sft.micro_batch_tokens, pad, sft.pack_sequences
-                    )
+                    micro = micro_batches(batches[step - 1])
                     metrics = on_all("sft_step", placement.share(micro), True)
                     seconds = time.perf_counter() - started
                     last = {

@@ -164,17 +164,24 @@ def step_batches(examples: list[Example], batch_tokens: int, steps: int, seed: i
 
 
 def pack_micro_batches(
-    examples: list[Example], micro_batch_tokens: int, pad_id: int, packed: bool = False
+    examples: list[Example], micro_batch_tokens: int, pad_id: int, packed: bool = False, row_tokens: int | None = None
 ) -> list[TrainBatch]:
     """Rows grouped longest first: a micro-batch takes the next row while its padded size
     (rows × its longest row) stays within micro_batch_tokens. Neighbours in length share a
     micro-batch, so little of it is padding (back-filling a long row's micro-batch with short
     ones, as first-fit would, pads each of them to the long one). Packed (sft.pack_sequences):
-    a micro-batch is one row, its examples back to back (first-fit decreasing on their summed
-    lengths), each attending only to itself: no padding at all."""
+    examples back to back in rows of at most row_tokens (first-fit decreasing on their summed
+    lengths; default micro_batch_tokens), each attending only to itself, and
+    micro_batch_tokens // row_tokens rows a micro-batch, padded only at their ends to the
+    longest: attention costs row_tokens², not micro_batch_tokens²."""
     if packed:
-        rows = budget_bins([len(e) for e in examples], micro_batch_tokens, packed=True)
-        return [_packed_row([examples[i] for i in members]) for members in rows]
+        row_tokens = row_tokens or micro_batch_tokens
+        rows = budget_bins([len(e) for e in examples], row_tokens, packed=True)
+        per_micro = max(1, micro_batch_tokens // row_tokens)
+        return [
+            _packed_rows([[examples[i] for i in row] for row in rows[first : first + per_micro]], pad_id)
+            for first in range(0, len(rows), per_micro)
+        ]
     bins: list[list[Example]] = []
     for example in sorted(examples, key=len, reverse=True):
         if bins and (len(bins[-1]) + 1) * len(bins[-1][0]) <= micro_batch_tokens:
@@ -184,14 +191,24 @@ def pack_micro_batches(
     return [_to_batch(members, pad_id) for members in bins]
 
 
-def _packed_row(members: list[Example]) -> TrainBatch:
-    """One row of the examples back to back, with the number of the example each position holds.
-    An example's first position is no target, as in a padded row's position 0: its logprob would
-    come from the example before."""
-    ids = torch.tensor([token for e in members for token in e.ids]).unsqueeze(0)
-    mask = torch.tensor([m for e in members for m in [0, *e.mask[1:]]], dtype=torch.float32).unsqueeze(0)
-    lengths = torch.tensor([len(e) for e in members])
-    segments = torch.repeat_interleave(torch.arange(len(members)), lengths).unsqueeze(0)
+def _packed_rows(rows: list[list[Example]], pad_id: int) -> TrainBatch:
+    """Each row's examples back to back, with the number of the example each position holds;
+    rows right-padded to the longest, padding numbered -1 and never a target (it comes after
+    every real position of its row, which causal attention never lets see it). An example's
+    first position is no target, as in a padded row's position 0: its logprob would come from
+    the example before."""
+    width = max(sum(len(e) for e in row) for row in rows)
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    segments = torch.full((len(rows), width), -1, dtype=torch.long)
+    for r, row in enumerate(rows):
+        start = 0
+        for number, example in enumerate(row):
+            end = start + len(example)
+            ids[r, start:end] = torch.tensor(example.ids)
+            mask[r, start + 1 : end] = torch.tensor(example.mask[1:], dtype=torch.float32)
+            segments[r, start:end] = number
+            start = end
     return TrainBatch(ids, mask, segments=segments)
 
 
