@@ -142,7 +142,8 @@ class Learner:
         )
         optimizer = get_megatron_optimizer(config, self.chunks)
         # Without TE/apex Megatron falls back to torch's Adam, which on CPU tensors steps one
-        # parameter at a time unless told otherwise: a tenth of a tiny model's step on 2 cores
+        # parameter at a time unless told otherwise (the demo's cold start: 28 ms of a 350 ms
+        # step on 2 cores, 17 ms with foreach)
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
             if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
                 for group in inner.optimizer.param_groups:
