@@ -12,7 +12,7 @@ taking turns step by step (each goes first in turn) so machine noise hits all al
 Each step is a real update (the learner trains on as it is timed); tokens/s counts the
 conversations' own tokens. World size 1, CPU, threads as torch sets them (both cores).
 
-    .venv/bin/python benchmarks/sft_packing.py --steps 30   # docs/batching.md: ~2 minutes on 2 cores
+    .venv/bin/python benchmarks/sft_packing.py --steps 20   # docs/batching.md: ~2 minutes on 2 cores, alone
 """
 
 from __future__ import annotations
