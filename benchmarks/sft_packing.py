@@ -40,7 +40,7 @@ LAYOUTS = {  # name: (micro_batch_tokens, packed, row_tokens)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=30, help="timed steps per layout")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per layout")
     args = parser.parse_args()
     cfg = load_config(
         REPO / "configs" / "long-answers-sft-cpu.yaml",

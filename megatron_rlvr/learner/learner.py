@@ -145,7 +145,7 @@ class Learner:
         # parameter at a time unless told otherwise (the demo's cold start: 28 ms of a 350 ms
         # step on 2 cores, 17 ms with foreach)
         for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-            if isinstance(inner.optimizer, torch.optim.Adam | torch.optim.AdamW):
+            if isinstance(inner.optimizer, torch.optim.Adam):  # AdamW included
                 for group in inner.optimizer.param_groups:
                     group["foreach"] = True
         return optimizer
