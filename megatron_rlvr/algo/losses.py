@@ -15,7 +15,7 @@ import torch
 
 from megatron_rlvr.algo.corrections import RolloutCorrection, rollout_correction
 from megatron_rlvr.algo.metrics import k3_kl, masked_mean, mismatch_metrics
-from megatron_rlvr.algo.reinforce import RecOptions, rec_token_losses, reinforce_token_losses
+from megatron_rlvr.algo.reinforce import RecOptions, rec_aggregation, rec_token_losses, reinforce_token_losses
 
 LOG_RATIO_LIMIT = 20.0
 
@@ -118,7 +118,8 @@ def policy_loss(
     grpo (token ratio) / gspo (sequence ratio): PPO clip to [1 − clip_low, 1 + clip_high];
     clip_ratio_c: dual clip, for A < 0 the per-token loss is capped at −A·c.
     minirl: −A·r masked where the ratio left the clip range in the advantage's direction.
-    rec: algo/reinforce.py (clip_low/high are its ε_low/ε_high). opmd, asymre: −A·log π,
+    rec: algo/reinforce.py (clip_low/high are its ε_low/ε_high; its gspo-one-side mode always
+    aggregates seq-mean-token-mean, as Trinity-RFT does). opmd, asymre: −A·log π,
     aggregated, divided by 1 + opmd_tau (they differ in their advantages, algo/baselines.py).
 
     Rollout correction (rollout_logprobs and `correction` both given, algo/corrections.py):
@@ -178,14 +179,13 @@ def policy_loss(
     if reinforce or kind in ("opmd", "asymre"):
         per_token = reinforce_token_losses(logprobs, advantages, mask)
     elif kind == "rec":
+        rec = rec or RecOptions()
+        rec_agg = rec_aggregation(rec, agg)
+        if rec_agg != agg and agg_normalizer is not None:
+            raise ValueError(f"agg={agg!r} with an agg_normalizer: rec's {rec.clip_mode} aggregates {rec_agg}")
+        agg = rec_agg
         per_token, rec_metrics = rec_token_losses(
-            logprobs,
-            old_logprobs,
-            advantages,
-            mask,
-            clip_low=clip_low,
-            clip_high=clip_high,
-            options=rec or RecOptions(),
+            logprobs, old_logprobs, advantages, mask, clip_low=clip_low, clip_high=clip_high, options=rec
         )
         metrics.update(rec_metrics)
     elif kind == "minirl":

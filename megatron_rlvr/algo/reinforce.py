@@ -18,13 +18,16 @@ from megatron_rlvr.algo.metrics import masked_mean
 REC_CLIP_MODES = ("none", "one-side", "two-side", "ring", "gspo-one-side")
 REC_WEIGHTS = ("none", "importance_sampling", "truncated_importance_sampling", "gspo_importance_sampling", "advantage")
 REC_REGULARIZERS = ("none", "k2", "forward-kl")
+# Trinity-RFT aggregates gspo-one-side's loss this way whatever its loss_agg_mode says.
+REC_GSPO_AGGREGATION = "seq-mean-token-mean"
 
 
 @dataclass(frozen=True)
 class RecOptions:
-    """REC: which tokens count (clip_mode with ε_low, ε_high and, for ring, ε'_low, ε'_high),
-    how the advantage is weighted (weight; temp for "advantage", is_cap for the truncated
-    ratio) and the regulariser (k2: coef·(log π − log π_old)², forward-kl: −coef·log π)."""
+    """REC, as Trinity-RFT's RECPolicyLossFn: which tokens count (clip_mode, with ε_low, ε_high
+    and, for ring, ε'_low, ε'_high), how the advantage is weighted (weight; temp for
+    "advantage", ε'_low and ε'_high for the truncated ratio) and the regulariser (k2:
+    coef·(log π − log π_old)², forward-kl: −coef·log π). The defaults are Trinity's."""
 
     clip_mode: str = "none"
     weight: str = "none"
@@ -33,7 +36,11 @@ class RecOptions:
     epsilon_low_prime: float = 0.6
     epsilon_high_prime: float = 2.0
     temp: float = 1.0
-    is_cap: float = 2.0
+
+
+def rec_aggregation(options: RecOptions, agg: str) -> str:
+    """The aggregation REC's loss takes: seq-mean-token-mean under gspo-one-side, else `agg`."""
+    return REC_GSPO_AGGREGATION if options.clip_mode == "gspo-one-side" else agg
 
 
 def reinforce_token_losses(logprobs: torch.Tensor, advantages: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -56,9 +63,10 @@ def rec_token_losses(
 
     In range: two-side 1−ε_low ≤ r ≤ 1+ε_high; one-side r ≤ 1+ε_high where A ≥ 0 and
     r ≥ 1−ε_low where A ≤ 0; ring two-side, or r ≤ 1−ε'_low where A ≥ 0, or r ≥ 1+ε'_high
-    where A ≤ 0; gspo-one-side one-side on the sequence's geometric-mean ratio.
-    Weights: importance_sampling A·r; truncated_importance_sampling A·min(r, is_cap);
-    gspo_importance_sampling A·s (s the geometric-mean ratio); advantage A·exp(A/temp).
+    where A ≤ 0; gspo-one-side one-side on the sequence's geometric-mean ratio s (whose loss
+    is aggregated seq-mean-token-mean: rec_aggregation).
+    Weights: importance_sampling A·r; truncated_importance_sampling
+    A·clamp(r, 1−ε'_low, 1+ε'_high); gspo_importance_sampling A·s; advantage A·exp(A/temp).
     """
     valid = mask.bool()
     zeros = torch.zeros_like(logprobs)
@@ -68,6 +76,7 @@ def rec_token_losses(
     lengths = mask.sum(dim=-1, keepdim=True).clamp(min=1)
     seq_ratio = torch.exp(log_ratio.sum(dim=-1, keepdim=True) / lengths).detach().expand_as(ratio)
     low, high = 1.0 - clip_low, 1.0 + clip_high
+    low_prime, high_prime = 1.0 - options.epsilon_low_prime, 1.0 + options.epsilon_high_prime
     pos, neg = advantages >= 0, advantages <= 0
     mode = options.clip_mode
     if mode == "two-side":
@@ -77,29 +86,27 @@ def rec_token_losses(
     elif mode == "gspo-one-side":
         in_range = ((seq_ratio <= high) & pos) | ((seq_ratio >= low) & neg)
     elif mode == "ring":
-        in_range = (
-            ((ratio >= low) & (ratio <= high))
-            | (pos & (ratio <= 1.0 - options.epsilon_low_prime))
-            | (neg & (ratio >= 1.0 + options.epsilon_high_prime))
-        )
+        in_range = ((ratio >= low) & (ratio <= high)) | (pos & (ratio <= low_prime)) | (neg & (ratio >= high_prime))
     elif mode == "none":
         in_range = torch.ones_like(valid)
     else:
         raise ValueError(f"rec clip_mode={mode!r}: expected one of {REC_CLIP_MODES}")
 
     weight = options.weight
-    if weight == "importance_sampling":
-        advantages = advantages * ratio
+    if weight == "none":
+        weighted = advantages
+    elif weight == "importance_sampling":
+        weighted = advantages * ratio
     elif weight == "truncated_importance_sampling":
-        advantages = advantages * ratio.clamp(max=options.is_cap)
+        weighted = advantages * ratio.clamp(low_prime, high_prime)
     elif weight == "gspo_importance_sampling":
-        advantages = advantages * seq_ratio
+        weighted = advantages * seq_ratio
     elif weight == "advantage":
-        advantages = advantages * torch.exp(advantages / options.temp)
-    elif weight != "none":
+        weighted = advantages * torch.exp(advantages / options.temp)
+    else:
         raise ValueError(f"rec weight={weight!r}: expected one of {REC_WEIGHTS}")
 
-    per_token = -advantages * safe * in_range.to(logprobs.dtype)
+    per_token = -weighted * safe * in_range.to(logprobs.dtype)
     if options.regularizer == "forward-kl":
         per_token = per_token - options.regularizer_coef * safe
     elif options.regularizer == "k2":

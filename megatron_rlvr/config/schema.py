@@ -102,22 +102,40 @@ class StaleNegativesConfig(Section):
 
 
 class RecConfig(Section):
-    """REC (kind rec, Trinity-RFT's options); its ε_low/ε_high are algo.clip_low/clip_high."""
+    """REC (kind rec), Trinity-RFT's RECPolicyLossFn with its default arguments; its ε_low/ε_high
+    are algo.clip_low/clip_high."""
 
     clip_mode: Literal["none", "one-side", "two-side", "ring", "gspo-one-side"] = Field(
-        "none", description="which tokens keep a gradient, by their detached ratio pi/pi_old"
+        "none",
+        description="which tokens keep a gradient, by their detached ratio pi/pi_old (gspo-one-side: by the "
+        "sequence's geometric-mean ratio; its loss is seq-mean-token-mean, so algo.agg must say so)",
     )
     weight: Literal[
         "none", "importance_sampling", "truncated_importance_sampling", "gspo_importance_sampling", "advantage"
-    ] = Field("none", description="what multiplies the advantage: r, min(r, is_cap), the sequence's r, exp(A/temp)")
+    ] = Field(
+        "none",
+        description="what multiplies the advantage: 1, r, clamp(r, 1 - epsilon_low_prime, 1 + epsilon_high_prime), "
+        "the sequence's geometric-mean r, exp(A/temp)",
+    )
     regularizer: Literal["none", "k2", "forward-kl"] = Field(
         "none", description="k2: coef·(log pi - log pi_old)^2; forward-kl: -coef·log pi"
     )
     regularizer_coef: float = Field(0.0, ge=0.0, le=1e3, description="the regulariser's weight")
-    epsilon_low_prime: float = Field(0.6, gt=0.0, le=1.0, description="ring: A >= 0 also kept where r <= 1 - this")
-    epsilon_high_prime: float = Field(2.0, gt=0.0, le=1e3, description="ring: A <= 0 also kept where r >= 1 + this")
+    epsilon_low_prime: float = Field(
+        0.6,
+        gt=0.0,
+        le=1.0,
+        description="ring: A >= 0 also kept where r <= 1 - this; truncated_importance_sampling: the lower bound "
+        "1 - this",
+    )
+    epsilon_high_prime: float = Field(
+        2.0,
+        gt=0.0,
+        le=1e3,
+        description="ring: A <= 0 also kept where r >= 1 + this; truncated_importance_sampling: the upper bound "
+        "1 + this",
+    )
     temp: float = Field(1.0, gt=0.0, le=1e3, description="weight advantage: the temperature of exp(A/temp)")
-    is_cap: float = Field(2.0, ge=1.0, le=1e6, description="weight truncated_importance_sampling: the cap")
 
 
 class AdvantageConfig(Section):
@@ -197,6 +215,11 @@ class AlgoConfig(Section):
             problems.append(f"algo.clip_high = {self.clip_high}: must be in (0, 10]")
         if self.clip_ratio_c is not None and self.clip_ratio_c <= 1.0:
             problems.append(f"algo.clip_ratio_c = {self.clip_ratio_c}: must be > 1 or null")
+        if self.kind == "rec" and self.rec.clip_mode == "gspo-one-side" and self.agg != "seq-mean-token-mean":
+            problems.append(
+                f"algo.agg = {self.agg}: algo.rec.clip_mode = gspo-one-side aggregates seq-mean-token-mean "
+                "(as Trinity-RFT does); set algo.agg = seq-mean-token-mean"
+            )
         rc = self.rollout_correction
         key = "algo.rollout_correction"
         if rc.rollout_is_threshold_lower is not None and rc.rollout_is_threshold_lower > rc.rollout_is_threshold:
