@@ -186,7 +186,11 @@ class Run:
             )
             try:
                 restarted = self.rollout.run(self.manager.waiting_for_weights())
-                metrics = self.learners.sync_weights(self.version, restarted)
+                self.rollout.run(self.manager.pause_clocks(True))  # the engines stand paused: idle
+                try:
+                    metrics = self.learners.sync_weights(self.version, restarted)
+                finally:
+                    self.rollout.run(self.manager.pause_clocks(False))
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
                 if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
