@@ -49,13 +49,13 @@ class BusyClock:
     def _running(self) -> bool:
         return self._active > 0 and not self._paused
 
-    def _change(self, active: int, paused: bool) -> None:
+    def _change(self, active: int, paused: bool, at: float | None = None) -> None:
         now, was = self._now(), self._running()
         self._active, self._paused = active, paused
         if was and not self._running():
             self._busy_s += now - self._since
         elif not was and self._running():
-            self._since = now
+            self._since = now if at is None else min(at, now)
 
     def start(self) -> None:
         self._change(self._active + 1, self._paused)
@@ -66,8 +66,10 @@ class BusyClock:
     def pause(self) -> None:
         self._change(self._active, True)
 
-    def resume(self) -> None:
-        self._change(self._active, False)
+    def resume(self, at: float | None = None) -> None:
+        """at: when the engine resumed, if earlier than now (the clock's own time, after the
+        pause): requests running now have run since then."""
+        self._change(self._active, False, at)
 
     def take(self) -> float:
         """Busy seconds since the last take (a running stretch counts up to now)."""

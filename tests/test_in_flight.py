@@ -102,10 +102,16 @@ def test_a_paused_engine_with_requests_waiting_counts_as_idle():
     clock.pause()
     t.now = 6.0
     assert clock.take() == 0.5  # 4.5-5; paused since
-    clock.resume()
+    t.now = 9.0
+    clock.resume(at=7.0)  # the sync ended at 7; what came after it (the parity probe) ran beside requests
+    assert clock.take() == 2.0
     clock.stop()
     clock.stop()
-    t.now = 7.0
+    t.now = 10.0
+    assert clock.take() == 0.0
+    clock.pause()
+    clock.resume(at=9.5)  # nothing was running: nothing to count
+    t.now = 11.0
     assert clock.take() == 0.0
 
 
