@@ -161,10 +161,10 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
         f"in-flight / sync {rate['in_flight'] / rate['sync']:.2f}, in-flight / async {rate['in_flight'] / rate['async']:.2f}"
     )
     idle = statistics.fmean(r["engine_idle"] for r in runs["sync"])
-    engine = {mode: statistics.fmean(r["engine_rate"] for r in mode_runs) for mode, mode_runs in runs.items()}
+    own = {mode: statistics.fmean(r["engine_rate"] for r in mode_runs) for mode, mode_runs in runs.items()}
     print(  # never idle at the synchronous engine's rate: 1 / (1 - its idle share)
         f"bound at the synchronous engine's rate: {1 / max(1e-9, 1 - idle):.2f}; engine rate in flight / sync "
-        f"{engine['in_flight'] / engine['sync']:.2f}"
+        f"{own['in_flight'] / own['sync']:.2f}"
     )
     if curves:
         print(
