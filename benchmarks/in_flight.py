@@ -6,14 +6,17 @@ after the other in this process, the learner and the engine pinned to separate c
 as separate GPUs would be.
 
 Per mode: loop tokens/s (response tokens generated over step time, the first step excluded:
-start-up), the engine's idle share (1 - loop/engine_busy_fraction, mean over those steps), the
-learner's busy share, the mean training reward per step, and held-out pass@1 (the config's
-eval set) after the last step. The last line is `ratio: X`, in-flight over synchronous tokens/s.
+start-up), the engine's idle share (1 - loop/engine_busy_fraction, mean over those steps: no
+request running, or the engine paused for a weight sync), the engine's own rate (tokens per
+second it was generating: in flight can beat synchronous by at most this rate over synchronous
+tokens/s), the weight sync's seconds a step, the learner's busy share, the mean training reward
+per step, and held-out pass@1 (the config's eval set) after the last step. The last line is
+`ratio: X`, in-flight over synchronous tokens/s.
 
 The cold start must exist: `megatron-rlvr sft configs/long-answers-sft-cpu.yaml` writes
-runs/long-answers-sft/hf (about 6 minutes on 2 cores); this script does not run it, so its own
-time is the modes' alone. A plain run (one seed, the CPU engine, 16 steps of 8 groups of 8 up to
-256 tokens, the config's own batch) took 6 minutes on 2 cores. --full runs the whole table:
+runs/long-answers-sft/hf; this script does not run it, so its own time is the modes' alone. A
+plain run is one seed, the CPU engine, 16 steps of 8 groups of 8 up to 256 tokens (the config's
+own batch). --full runs the whole table:
 3 seeds, the CPU engine and real SGLang on CPU (.venv-sglang), held-out pass@1 every 4 steps,
 and the step seconds until pass@1 first reaches the highest value every run reaches (the steps
 right after an evaluation are not timed: generation went on during it). With evaluations a
@@ -100,6 +103,10 @@ def measure(cold_start: Path, steps: int, seed: int, eval_interval: int, overrid
         "tokens_per_s": sum(m["rollout/tokens"] for m in timed) / sum(m["time/step_s"] for m in timed),
         "tokens_per_wall_s": sum(m["rollout/tokens"] for m in history[1:]) / wall,
         "engine_idle": 1 - statistics.fmean(m["loop/engine_busy_fraction"] for m in timed),
+        # the engine's own rate: tokens per second it was generating (a paused engine is idle)
+        "engine_rate": sum(m["rollout/tokens"] for m in timed)
+        / max(1e-9, sum(m["loop/engine_busy_fraction"] * m["time/step_s"] for m in timed)),
+        "sync_s": statistics.fmean(m.get("weight_sync/seconds", 0.0) for m in timed),
         "learner_busy": statistics.fmean(m["loop/learner_busy_fraction"] for m in timed),
         "learner_s": statistics.fmean(m["loop/learner_busy_fraction"] * m["time/step_s"] for m in timed),
         "staleness": statistics.fmean(m.get("staleness/mean", 0.0) for m in timed),
@@ -130,7 +137,8 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
     curves = any(len(run["passes"]) > 1 for mode_runs in runs.values() for run in mode_runs)
     print(f"\nengine {engine}" + (f"; wall = step seconds until held-out pass@1 first reaches {target:.3f}" * curves))
     columns = ("tokens/s",) + ("tokens/s, evaluations counted",) * curves
-    columns += ("engine idle", "learner busy", "learner s/step", "staleness", "reward/step", "pass@1")
+    columns += ("engine idle", "engine tokens/busy s", "sync s/step", "learner busy", "learner s/step")
+    columns += ("staleness", "reward/step", "pass@1")
     columns += ("wall to it",) * curves
     print("| mode | " + " | ".join(columns) + " |")
     print("|---" * (len(columns) + 1) + "|")
@@ -141,7 +149,8 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
         walls = [seconds_to(target, r["passes"]) for r in mode_runs]
         cells = [spread([r["tokens_per_s"] for r in mode_runs], 0)]
         cells += [spread([r["tokens_per_wall_s"] for r in mode_runs], 0)] * curves
-        keys = ("engine_idle", "learner_busy", "learner_s", "staleness", "reward", "pass1")
+        cells += [spread([r["engine_idle"] for r in mode_runs]), spread([r["engine_rate"] for r in mode_runs], 0)]
+        keys = ("sync_s", "learner_busy", "learner_s", "staleness", "reward", "pass1")
         cells += [spread([r[key] for r in mode_runs]) for key in keys]
         cells += [f"{spread([w for w in walls if w is not None], 0)} s"] * curves
         print(f"| {mode} | " + " | ".join(cells) + " |")
@@ -150,6 +159,12 @@ def table(engine: str, runs: dict[str, list[dict]]) -> float:
         print(f"{mode:>9} reward per step: " + " ".join(spread([x for x in s if x == x]) for s in per_step))
     print(
         f"in-flight / sync {rate['in_flight'] / rate['sync']:.2f}, in-flight / async {rate['in_flight'] / rate['async']:.2f}"
+    )
+    idle = statistics.fmean(r["engine_idle"] for r in runs["sync"])
+    own = {mode: statistics.fmean(r["engine_rate"] for r in mode_runs) for mode, mode_runs in runs.items()}
+    print(  # never idle at the synchronous engine's rate: 1 / (1 - its idle share)
+        f"bound at the synchronous engine's rate: {1 / max(1e-9, 1 - idle):.2f}; engine rate in flight / sync "
+        f"{own['in_flight'] / own['sync']:.2f}"
     )
     if curves:
         print(

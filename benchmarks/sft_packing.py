@@ -1,16 +1,19 @@
 """The supervised step of the long-answer cold start (configs/long-answers-sft-cpu.yaml: its model,
-its odd-count worked solutions, 1024-token steps) in three layouts, on one learner, contenders
+its odd-count worked solutions, 1024-token steps) in four layouts, on one learner, contenders
 taking turns step by step (each goes first in turn) so machine noise hits all alike; medians:
 
-    padded       rows padded to the longest of their micro-batch, micro-batches of 1024 tokens
-                 (first-fit decreasing), sft.pack_sequences=false
+    padded-1024  rows padded to the longest of their micro-batch, micro-batches of at most 1024
+                 padded tokens (rows longest first), sft.pack_sequences=false: several a step
+    padded-one   every row of a step in one micro-batch, padded to the step's longest: as many
+                 micro-batches as packed-256 (the micro-batches column says how many each takes)
     packed-1024  one row of up to 1024 tokens a micro-batch, conversations back to back under a
                  block-diagonal causal mask (row_tokens = micro_batch_tokens)
     packed-256   rows of up to 256 tokens (sft.max_tokens), as many as a step needs in one
                  micro-batch (micro_batch_tokens 2048): the cold start's layout
 
 Each step is a real update (the learner trains on as it is timed); tokens/s counts the
-conversations' own tokens. World size 1, CPU, threads as torch sets them (both cores).
+conversations' own tokens; speed-up is against padded-1024 and, in the last column, against
+padded-one. World size 1, CPU, threads as torch sets them (both cores).
 
     .venv/bin/python benchmarks/sft_packing.py --steps 20   # docs/batching.md: ~2 minutes on 2 cores, alone
 """
@@ -31,8 +34,10 @@ from megatron_rlvr.sft import data as sft_data
 
 REPO = Path(__file__).resolve().parents[1]
 STEP_TOKENS = 1024
+ONE_MICRO_BATCH = 1 << 30  # a budget no step reaches: all its rows in one micro-batch
 LAYOUTS = {  # name: (micro_batch_tokens, packed, row_tokens)
-    "padded": (1024, False, None),
+    "padded-1024": (1024, False, None),
+    "padded-one": (ONE_MICRO_BATCH, False, None),
     "packed-1024": (1024, True, None),
     "packed-256": (2048, True, 256),
 }
@@ -56,6 +61,7 @@ def main() -> None:
     pad = tokenizer.pad_token_id
     timings: dict[str, list[float]] = {name: [] for name in LAYOUTS}
     cost: dict[str, list[float]] = {name: [] for name in LAYOUTS}  # positions run / real tokens
+    micros: dict[str, list[int]] = {name: [] for name in LAYOUTS}  # micro-batches a step
     for i, batch in enumerate(steps):
         names = list(LAYOUTS)[i % len(LAYOUTS) :] + list(LAYOUTS)[: i % len(LAYOUTS)]
         for name in names:
@@ -66,15 +72,19 @@ def main() -> None:
             if i >= 2:  # the first steps allocate
                 timings[name].append(time.perf_counter() - start)
                 cost[name].append(sum(mb.input_ids.numel() for mb in micro) / sum(len(e) for e in batch))
+                micros[name].append(len(micro))
     tokens = statistics.fmean(sum(len(e) for e in batch) for batch in steps[2:])
-    base = statistics.median(timings["padded"])
+    base, alike = statistics.median(timings["padded-1024"]), statistics.median(timings["padded-one"])
     print(f"the long-answer cold start's SFT step: {STEP_TOKENS}-token steps, {args.steps} steps a layout, world 1")
-    print(f"{'layout':>12} {'s/step':>7} {'tok/s':>6} {'positions/token':>15} {'speed-up':>8}")
+    print(
+        f"{'layout':>12} {'s/step':>7} {'tok/s':>6} {'micro-batches':>13} {'positions/token':>15} "
+        f"{'vs padded-1024':>14} {'vs padded-one':>14}"
+    )
     for name, t in timings.items():
         median = statistics.median(t)
         print(
-            f"{name:>12} {median:>7.3f} {tokens / median:>6.0f} {statistics.fmean(cost[name]):>15.2f} "
-            f"{base / median:>8.2f}"
+            f"{name:>12} {median:>7.3f} {tokens / median:>6.0f} {statistics.fmean(micros[name]):>13.1f} "
+            f"{statistics.fmean(cost[name]):>15.2f} {base / median:>14.2f} {alike / median:>14.2f}"
         )
 
 

@@ -21,6 +21,7 @@ import secrets
 import shutil
 import tempfile
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -186,7 +187,14 @@ class Run:
             )
             try:
                 restarted = self.rollout.run(self.manager.waiting_for_weights())
-                metrics = self.learners.sync_weights(self.version, restarted)
+                self.rollout.run(self.manager.pause_clocks())  # the engines stand paused: idle
+                paused_at, metrics = time.monotonic(), {}
+                try:
+                    metrics = self.learners.sync_weights(self.version, restarted)
+                finally:
+                    # they resumed when the sync proper ended; the parity probe after it generates
+                    resumed = paused_at + metrics.get("weight_sync/seconds", math.inf)
+                    self.rollout.run(self.manager.resume_clocks(resumed))
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
                 if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:

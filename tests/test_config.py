@@ -44,6 +44,19 @@ def test_overrides_and_derived_layout():
     assert load_config(TINY).weight_sync.backend == "gloo"
 
 
+def test_one_seed_varies_the_problems_the_sampling_and_the_evaluation(tmp_path):
+    """trainer.seed alone must vary everything a seed should: runs reported as "3 seeds" that
+    varied data.seed only were sampled and scored alike."""
+    cfg = load_config(TINY, ["trainer.seed=7"])
+    assert (cfg.trainer.seed, cfg.data.seed, cfg.eval.seed) == (7, 7, 7)
+    given = load_config(TINY, ["trainer.seed=7", "data.seed=3", "eval.seed=5"])
+    assert (given.data.seed, given.eval.seed) == (3, 5)  # what the config gives stays
+    assert load_config(TINY, ["trainer.seed=7", "data.seed=0"]).data.seed == 0
+    assert load_config(TINY, ["trainer.seed=7", "data.type=long_answers"]).data.seed == 7
+    (tmp_path / "resolved.yaml").write_text(to_yaml(cfg))
+    assert load_config(tmp_path / "resolved.yaml") == cfg  # the resolved file keeps the seeds it was run with
+
+
 def test_resolved_yaml_round_trips(tmp_path):
     cfg = load_config(TINY, ["algo.kind=gspo", "parallel.ep=2"])
     path = tmp_path / "resolved.yaml"

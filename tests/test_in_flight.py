@@ -63,16 +63,55 @@ def test_every_token_carries_its_version_into_the_batch_and_the_staleness_metric
     assert staleness_metrics(batch, 4)["staleness/mixed_version_share"] == 0.0
 
 
+class FakeTime:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_the_busy_clock_counts_overlapping_requests_once():
-    clock = BusyClock()
+    t = FakeTime()
+    clock = BusyClock(now=t)
     clock.start()
     clock.start()
-    time.sleep(0.05)
+    t.now = 2.0
     clock.stop()
     clock.stop()
-    time.sleep(0.05)
-    busy = clock.take()
-    assert 0.05 <= busy < 0.1  # the idle stretch after both stopped does not count
+    t.now = 5.0
+    assert clock.take() == 2.0  # the idle stretch after both stopped does not count
+    assert clock.take() == 0.0
+
+
+def test_a_paused_engine_with_requests_waiting_counts_as_idle():
+    """In flight a weight sync pauses the engine with requests still in it: they wait, the
+    engine generates nothing, and the busy share must say so (it bounds what in flight gains)."""
+    t = FakeTime()
+    clock = BusyClock(now=t)
+    clock.start()  # a request runs from 0
+    t.now = 1.0
+    clock.pause()  # the sync pauses the engine; the request waits in it
+    t.now = 3.0
+    clock.start()  # a request submitted during the sync waits too
+    t.now = 4.0
+    clock.resume()
+    t.now = 4.5
+    assert clock.take() == 1.5  # 0-1 and 4-4.5: the 3 s paused are idle
+    t.now = 5.0
+    clock.pause()
+    t.now = 6.0
+    assert clock.take() == 0.5  # 4.5-5; paused since
+    t.now = 9.0
+    clock.resume(at=7.0)  # the sync ended at 7; what came after it (the parity probe) ran beside requests
+    assert clock.take() == 2.0
+    clock.stop()
+    clock.stop()
+    t.now = 10.0
+    assert clock.take() == 0.0
+    clock.pause()
+    clock.resume(at=9.5)  # nothing was running: nothing to count
+    t.now = 11.0
     assert clock.take() == 0.0
 
 

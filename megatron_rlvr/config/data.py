@@ -86,7 +86,7 @@ class ArithmeticSource(Section):
     type: Literal["arithmetic"] = Field("arithmetic", description="arithmetic: the built-in task")
     num_prompts: PositiveInt = Field(512, description="distinct problems")
     max_operand: PositiveInt = Field(9, description="operands are drawn from 0..max_operand")
-    seed: int = Field(0, description="seed of the problems drawn")
+    seed: int = Field(0, description="seed of the problems drawn (data: not given, trainer.seed)")
 
 
 class LongAnswerSource(Section):
@@ -115,7 +115,7 @@ class LongAnswerSource(Section):
         "train_sft / train_rl: the two halves of train (by another hash), for a cold start and an RL "
         "run that never share a problem; heldout: the held-out eighth; all: every problem",
     )
-    seed: int = Field(0, description="seed of the problems drawn")
+    seed: int = Field(0, description="seed of the problems drawn (data: not given, trainer.seed)")
 
     @model_validator(mode="after")
     def _check(self) -> LongAnswerSource:
@@ -166,7 +166,7 @@ class FileSource(Section):
     data_source_key: str | None = Field(None, description="None: per format")
     id_key: str | None = Field(None, description="None: per format (missing: the row number)")
     extra_key: str | None = Field(None, description="extra info given to custom verifiers; None: per format")
-    seed: int = Field(0, description="seed of the mixing draw")
+    seed: int = Field(0, description="seed of the mixing draw (data: not given, trainer.seed)")
 
     @property
     def paths(self) -> list[str]:
@@ -254,7 +254,9 @@ class EvalConfig(Section):
         None, description="k values of pass@k (each <= n_samples); None: 1 and n_samples"
     )
     max_prompts: PositiveInt | None = Field(None, description="the first N prompts of each set; None: all")
-    seed: int = Field(0, description="sampling seeds of eval prompts (the same at every evaluation)")
+    seed: int = Field(
+        0, description="sampling seeds of eval prompts (the same at every evaluation); not given: trainer.seed"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EvalConfig:

@@ -296,6 +296,17 @@ def _engine_python_problems(python: str, backend: str) -> list[str]:
     return []
 
 
+def _seeds_follow_trainer(cfg: Config) -> None:
+    """trainer.seed is the run's one seed: data.seed and eval.seed that the config does not
+    give take its value, so runs that differ in trainer.seed alone differ in the problems
+    drawn, the prompt order, the rollouts' sampling and the evaluation's samples. The eval
+    sets' own problems (eval.sets.*.seed) stay as given: every seed is scored on the same ones."""
+    if "seed" not in cfg.data.model_fields_set:
+        cfg.data.seed = cfg.trainer.seed
+    if "seed" not in cfg.eval.model_fields_set:
+        cfg.eval.seed = cfg.trainer.seed
+
+
 def resolve(cfg: Config) -> ResolvedConfig:
     """Fills every derived value (clip ranges per loss kind, etp, sequence parallel, routed
     expert capture), then runs the cross-section checks. Returns a new config."""
@@ -337,6 +348,7 @@ def resolve(cfg: Config) -> ResolvedConfig:
     for source in [cfg.data, *cfg.eval.sets.values()]:
         if isinstance(source, FileSource):
             source.fill_keys()
+    _seeds_follow_trainer(cfg)
     resolved = ResolvedConfig.model_validate(cfg.model_dump())
     _raise(_cross_field_problems(resolved, model_dims(resolved.model), dp_derived))
     return resolved

@@ -447,7 +447,11 @@ class TrainerConfig(Section):
     recompute_activations: bool = Field(
         False, description="recompute each layer's activations in backward (saves memory)"
     )
-    seed: int = Field(0, description="seed of Megatron's RNGs, the prompt order and the rollouts' sampling")
+    seed: int = Field(
+        0,
+        description="the run's seed: Megatron's RNGs, the prompt order, the rollouts' sampling, and data.seed "
+        "and eval.seed where the config does not give them",
+    )
     expert_bias_update_rate: float = Field(
         0.0,
         ge=0.0,

@@ -250,6 +250,17 @@ class RolloutManager:
             return 0.0
         return sum(min(clock.take(), wall_s) for clock in self.busy) / (len(self.busy) * wall_s)
 
+    async def pause_clocks(self) -> None:
+        """A weight sync begins: while it holds the engines paused, their waiting requests
+        count as idle in busy_fraction, not busy."""
+        for clock in self.busy:
+            clock.pause()
+
+    async def resume_clocks(self, at: float | None = None) -> None:
+        """The engines resumed, at `at` (time.monotonic()) if that was before now."""
+        for clock in self.busy:
+            clock.resume(at)
+
     async def restart_unanswering(self) -> list[int]:
         """Schedules a restart of every engine that does not answer /health and is not being
         restarted already; returns their indices. An engine that died between batches has no
