@@ -102,21 +102,23 @@ def test_the_verifiers_score_if_rlvr_records_in_the_sandbox_binary_or_fraction(t
         "THE SEA IS A VERY BIG AND WIDE BLUE THING",  # neither
         "<think>still thinking",  # cut off while reasoning
     ]
-    for grading, rewards in (("binary", [1.0, 0.0, 0.0, 0.0, 0.0]), ("fraction", [1.0, 0.5, 0.5, 0.0, 0.0])):
+    expected = {
+        "binary": [(1.0, "all_followed"), *[(0.0, "not_followed")] * 3, (0.0, "no_response")],
+        "fraction": [
+            (1.0, "all_followed"),
+            (0.5, "partly_followed"),
+            (0.5, "partly_followed"),
+            (0.0, "not_followed"),
+            (0.0, "no_response"),
+        ],
+    }
+    for grading, verdicts in expected.items():
         cfg = VerifierConfig(kind="ifeval", timeout_s=5.0, ifeval={"grading": grading})
         verifiers = Verifiers(cfg, {})
         try:
-            verdicts = verifiers.verify(responses, record)
+            assert verifiers.verify(responses, record) == verdicts
         finally:
             verifiers.close()
-        assert [reward for reward, _ in verdicts] == rewards
-    assert [reason for _, reason in verdicts] == [
-        "all_followed",
-        "partly_followed",
-        "partly_followed",
-        "none_followed",
-        "no_response",
-    ]
 
 
 def test_bad_records_are_refused_at_load_in_one_line_naming_the_record(tmp_path):

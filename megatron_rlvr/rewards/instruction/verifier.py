@@ -27,7 +27,7 @@ def _verdict(answer: dict) -> Verdict:
     if status != "scored":
         return 0.0, status
     value = outcome["value"]
-    return value, "all_followed" if value == 1.0 else "partly_followed" if value > 0.0 else "none_followed"
+    return value, "all_followed" if value == 1.0 else "partly_followed" if value > 0.0 else "not_followed"
 
 
 class IFEvalVerifier:
