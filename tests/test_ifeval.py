@@ -4,6 +4,7 @@ line, a checker that fails is a counted reason, and nothing reaches the network.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -16,7 +17,7 @@ import pytest
 from megatron_rlvr.config import FileData, VerifierConfig
 from megatron_rlvr.data import DataError, load_data
 from megatron_rlvr.data.records import PromptRecord
-from megatron_rlvr.rewards.registry import VerdictStats, Verifiers
+from megatron_rlvr.rewards.registry import Verifiers
 
 REPO = Path(__file__).resolve().parents[1]
 # five of IFEval's published examples (google-research instruction_following_eval, Apache-2.0):
@@ -185,19 +186,25 @@ def test_bad_records_are_refused_at_load_in_one_line_naming_the_record(tmp_path)
     assert all("\n" not in why for _, why in loaded.skipped)
 
 
-def test_a_checker_that_fails_is_a_counted_reason_not_a_silent_zero(tmp_path):
-    """if-verifiable's IFBench quote checker indexes past the end of a response without a
-    quote: the sandbox reports runtime_error, and the run's metrics count it."""
+def test_a_checker_that_fails_is_a_counted_reason_not_a_silent_zero():
+    """In the run's verifier pool: if-verifiable's IFBench quote checker indexes past the end
+    of a response without a quote; the sandbox reports runtime_error, and the run's metrics
+    count it apart from the responses the checks did score."""
+    from megatron_rlvr.config import Config
+    from megatron_rlvr.launch.placement import InProcess
+    from megatron_rlvr.launch.verifiers import VerifierPool
+
+    cfg = Config.model_validate({"verifier": {"kind": "ifeval", "num_workers": 1, "timeout_s": 5.0}})
+    pool = VerifierPool(cfg, InProcess(cfg))
     record = PromptRecord("q", "Quote it.", {"instruction_id_list": ["format:quote_unquote"], "kwargs": [{}]}, "ifeval")
-    verifiers = Verifiers(IFEVAL, {})
     try:
-        verdicts = verifiers.verify(["!!!"], record)
+        assert asyncio.run(pool(["!!!", 'He said "go" and went.'], record)) == [0.0, 1.0]
+        metrics = pool.take_metrics()
     finally:
-        verifiers.close()
-    assert verdicts == [(0.0, "runtime_error")]
-    stats = VerdictStats()
-    stats.add("ifeval", verdicts)
-    assert stats.metrics()["verifier/ifeval/runtime_error"] == 1
+        pool.close()
+    assert metrics["verifier/ifeval/runtime_error"] == 1
+    assert metrics["verifier/ifeval/samples"] == 2
+    assert metrics["verifier/ifeval/all_followed"] == 1
 
 
 BLOCK_NETWORK = """
