@@ -1,6 +1,7 @@
 """The ifeval verifier: IFEval's published examples get the checker library's own verdicts,
 both record layouts load, binary and fraction grading, bad records are refused at load in one
-line, a checker that fails is a counted reason, and nothing reaches the network."""
+line, a checker that fails is a counted reason, language detection is seeded, and nothing reaches
+the network."""
 
 from __future__ import annotations
 
@@ -301,3 +302,15 @@ def test_the_nltk_data_is_punkt_s_english_model_and_nltk_reads_it(tmp_path):
         assert len(stop) == 179 and {"the", "and", "ourselves"} <= set(stop)
     finally:
         nltk.data.path.remove(str(root))
+
+
+def test_language_detection_is_seeded():
+    """langdetect draws at random on every call unless seeded: once the checkers are loaded,
+    the same mixed-language text gets the same languages and probabilities every time."""
+    import langdetect
+
+    from megatron_rlvr.rewards.instruction.checkers import registry
+
+    registry()
+    text = "Ok merci, ciao amigo, das ist gut"
+    assert len({str(langdetect.detect_langs(text)) for _ in range(6)}) == 1
