@@ -82,7 +82,7 @@ def test_published_examples_get_the_library_s_own_verdicts():
 
 
 def test_the_verifiers_score_if_rlvr_records_in_the_sandbox_binary_or_fraction(tmp_path):
-    """IF-RLVR's layout (a JSON string in the ground-truth column, IFBench and IFEval ids),
+    """IF-RLVR's layout (the ground-truth column as open-instruct writes it, IFBench and IFEval ids),
     through the run's verifiers: binary and fraction grading, reasoning stripped, every verdict
     counted by reason."""
     truth = [
@@ -91,12 +91,20 @@ def test_the_verifiers_score_if_rlvr_records_in_the_sandbox_binary_or_fraction(t
             "kwargs": [{"min_words": 3, "max_words": 6}, None],
         }
     ]
-    spec = _file(tmp_path, [{"prompt": "Describe the sea.", "answer": json.dumps(truth), "verifier": "ifeval"}])
-    (record,) = load_data(spec, IFEVAL).records
-    assert record.answer == {
-        "instruction_id_list": ["count:word_count_range", "change_case:english_lowercase"],
-        "kwargs": [{"min_words": 3, "max_words": 6}, {}],
-    }
+    as_written = [
+        str(truth),  # open-instruct's files: the Python literal (single quotes, None)
+        json.dumps(truth),
+        [json.dumps(truth[0])],  # a list holding the set's JSON
+    ]
+    spec = _file(tmp_path, [{"prompt": "Describe the sea.", "answer": a, "verifier": "ifeval"} for a in as_written])
+    records = load_data(spec, IFEVAL).records
+    assert [r.answer for r in records] == 3 * [
+        {
+            "instruction_id_list": ["count:word_count_range", "change_case:english_lowercase"],
+            "kwargs": [{"min_words": 3, "max_words": 6}, {}],
+        }
+    ]
+    record = records[0]
     responses = [
         "<think>Count: The sea is...</think>the sea is wide and blue",  # both
         "The sea is wide and blue",  # the word count only
@@ -179,7 +187,7 @@ def test_bad_records_are_refused_at_load_in_one_line_naming_the_record(tmp_path)
         "kwargs must be a list of 1 objects, one per instruction id, got []",
         "instruction 'words:start_verb' is not supported: it needs NLTK's English part-of-speech tagger "
         "data, which no package on the index ships",
-        "the ground truth is not JSON (Expecting value)",
+        "the ground truth is neither JSON nor a Python literal: 'not json'",
         "no instruction_id_list (IFEval) or instruction_id (IF-RLVR)",
         "instruction 'length_constraints:number_sentences' lacks arguments ['relation'] (given: ['num_sentences'])",
         "instruction 'ratio:overlap' lacks arguments ['reference_text'] (given: ['percentage'])",

@@ -4,7 +4,8 @@ there, so that a record the checkers cannot score stops the run before it starts
 - Google's IFEval (google/IFEval): `instruction_id_list` and `kwargs` (one dict per id), as
   columns of the row or as an object in the ground-truth column;
 - IF-RLVR (allenai/IF_multi_constraints_upto5 and the IFBench training sets): the ground truth
-  is `[{"instruction_id": [...], "kwargs": [...]}]`, as a list or a JSON string.
+  is `[{"instruction_id": [...], "kwargs": [...]}]`, as a list, its JSON, or the Python literal
+  open-instruct writes (single quotes, None).
 
 Both become {"instruction_id_list": [...], "kwargs": [...]}, the record's answer. Refused: an
 id the library does not have; an argument its checker does not take; a missing argument that
@@ -14,6 +15,7 @@ score against different instructions) or leave None; Tulu 3's `func_name` ground
 
 from __future__ import annotations
 
+import ast
 import json
 import random
 from typing import Any
@@ -35,14 +37,9 @@ class ConstraintError(ValueError):
 def read_constraints(answer: Any, row: dict) -> dict[str, list]:
     """The record's instructions from its ground truth (`answer`, None when the row has none)
     or, for Google's layout, from the row's own instruction_id_list and kwargs columns."""
-    truth = row if answer is None else answer
-    if isinstance(truth, str):
-        try:
-            truth = json.loads(truth)
-        except json.JSONDecodeError as err:
-            raise ConstraintError(f"the ground truth is not JSON ({err.msg})") from None
-    if isinstance(truth, list) and len(truth) == 1 and isinstance(truth[0], dict):
-        truth = truth[0]  # IF-RLVR wraps its one constraint set in a list
+    truth = _literal(answer) if isinstance(answer, str) else row if answer is None else answer
+    if isinstance(truth, list) and len(truth) == 1:
+        truth = _literal(truth[0]) if isinstance(truth[0], str) else truth[0]  # IF-RLVR wraps its one set in a list
     if not isinstance(truth, dict):
         raise ConstraintError(f"expected instruction ids and kwargs, got a {type(truth).__name__}")
     if "func_name" in truth:
@@ -66,6 +63,19 @@ def read_constraints(answer: Any, row: dict) -> dict[str, list]:
     for instruction, args in zip(ids, kwargs):
         _check(instruction, args)
     return {"instruction_id_list": ids, "kwargs": kwargs}
+
+
+def _literal(text: str) -> Any:
+    """JSON, or the Python literal IF-RLVR's files hold (single quotes, None): open-instruct
+    writes its ground truths with str() and reads them with ast.literal_eval."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        pass
+    try:
+        return ast.literal_eval(text)
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
+        raise ConstraintError(f"the ground truth is neither JSON nor a Python literal: {text[:60]!r}") from None
 
 
 def _check(instruction: str, args: dict) -> None:
