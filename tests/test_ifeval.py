@@ -322,3 +322,34 @@ def test_language_detection_is_seeded():
     registry()
     text = "Ok merci, ciao amigo, das ist gut"
     assert len({str(langdetect.detect_langs(text)) for _ in range(6)}) == 1
+
+
+def test_one_supervisor_serves_every_batch_and_a_dead_one_is_replaced():
+    """The checkers are loaded once: batches reuse the supervisor; a child past its time limit
+    is a timeout and the supervisor goes on; a supervisor that died is replaced at the next batch."""
+    from megatron_rlvr.rewards.instruction.verifier import IFEvalVerifier
+
+    record = PromptRecord("q", "Write.", {"instruction_id_list": ["punctuation:no_comma"], "kwargs": [{}]}, "ifeval")
+    verifier = IFEvalVerifier(grading="binary", loose=False, timeout_s=5.0, memory_mb=1024)
+    try:
+        assert verifier.verify_batch(["no commas here", "a, b"], record) == [
+            (1.0, "all_followed"),
+            (0.0, "not_followed"),
+        ]
+        assert verifier._supervisor is not None
+        first = verifier._supervisor.proc.pid
+        assert verifier.verify_batch(["fine"], record) == [(1.0, "all_followed")]
+        assert verifier._supervisor.proc.pid == first
+        verifier.settings["wall_s"] = 0.0  # every child is past its deadline at once
+        assert verifier.verify_batch(["fine"], record) == [(0.0, "timeout")]
+        verifier.settings["wall_s"] = 5.0
+        assert verifier.verify_batch(["fine"], record) == [(1.0, "all_followed")]
+        assert verifier._supervisor.proc.pid == first
+        os.killpg(first, 9)
+        verifier._supervisor.proc.wait()
+        assert verifier.verify_batch(["fine", "a, b"], record) == [(0.0, "sandbox_error"), (0.0, "sandbox_error")]
+        assert verifier.verify_batch(["fine"], record) == [(1.0, "all_followed")]
+        assert verifier._supervisor.proc.pid != first
+    finally:
+        verifier.close()
+    assert verifier._supervisor is None

@@ -49,6 +49,7 @@ class Verifiers:
 
     def close(self) -> None:
         self.math.close()
+        self.ifeval.close()
 
 
 class VerdictStats:
