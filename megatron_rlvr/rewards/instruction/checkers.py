@@ -1,11 +1,12 @@
 """The checks themselves: IFEval's 25 and IFBench's 58 checker classes of if-verifiable 0.1.2,
 run by its own `evaluate_instructions` (strict: the response as it is; loose: also with the first
-or last line dropped, or '*' removed, as IFEval's paper defines). Only the library's checker
-modules are imported: its `get_eval_data` would download data sets.
+or last line dropped, or '*' removed, as IFEval's paper defines). Only the checkers are used:
+the library's `get_eval_data` (which downloads data sets) is never called, though its package
+imports `datasets` for it.
 
-`score` is what the sandbox calls, once per response (verifier.py): this module is imported in
-the sandbox's supervisor, which first makes the NLTK data (nltk_data.py) and seeds langdetect,
-whose verdicts otherwise vary from run to run on short or mixed-language text."""
+`score` is what the sandbox calls, once per response (worker.py): this module is imported by
+the verifier's supervisor before it confines itself, and makes the NLTK data first
+(nltk_data.py) and seeds langdetect, whose verdicts otherwise vary from call to call."""
 
 from __future__ import annotations
 
