@@ -350,6 +350,9 @@ def test_one_supervisor_serves_every_batch_and_a_dead_one_is_replaced():
         assert verifier.verify_batch(["fine", "a, b"], record) == [(0.0, "sandbox_error"), (0.0, "sandbox_error")]
         assert verifier.verify_batch(["fine"], record) == [(1.0, "all_followed")]
         assert verifier._supervisor.proc.pid != first
+        workdir = verifier._supervisor.workdir  # its NLTK data is made in there too
+        assert any(name.startswith("rlvr-nltk-") for name in os.listdir(workdir))
     finally:
         verifier.close()
     assert verifier._supervisor is None
+    assert not os.path.exists(workdir)

@@ -51,7 +51,8 @@ class _Supervisor:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "LANG", "LC_ALL")}
         package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [package_root, os.environ.get("PYTHONPATH")]))
-        env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0")
+        # TMPDIR: its NLTK data directory is made in its own directory, removed with it however it ends
+        env.update(OMP_NUM_THREADS="1", PYTHONDONTWRITEBYTECODE="1", PYTHONHASHSEED="0", TMPDIR=self.workdir)
         self.proc = subprocess.Popen(
             [sys.executable, "-B", "-P", "-m", "megatron_rlvr.rewards.instruction.worker"],
             stdin=subprocess.PIPE,
