@@ -96,6 +96,11 @@ def four_gpu_nodes():
     from ray.cluster_utils import Cluster
 
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    # Ray's default (hybrid) policy keeps a task on a node until it is half used, then spreads;
+    # the threshold at 0 makes it spread at once, as it does on a large cluster's busy nodes:
+    # where the learner lands must not depend on it
+    spread = os.environ.get("RAY_scheduler_spread_threshold")
+    os.environ["RAY_scheduler_spread_threshold"] = "0.0"
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 9, "num_gpus": 8, "object_store_memory": 80 * 2**20},
@@ -107,6 +112,10 @@ def four_gpu_nodes():
         yield cluster
     finally:
         cluster.shutdown()
+        if spread is None:
+            del os.environ["RAY_scheduler_spread_threshold"]
+        else:
+            os.environ["RAY_scheduler_spread_threshold"] = spread
 
 
 @pytest.mark.parametrize("engines", [(4, 4), (8, 2)], ids=["4 engines of tp 4", "8 engines of tp 2"])

@@ -268,9 +268,10 @@ class InProcess(Placement):
 
 class RayActors(Placement):
     """Every component a Ray actor on a local Ray or an existing cluster. On CUDA, learner
-    ranks take one GPU each from one placement group, handed out node by node so that
-    consecutive ranks (tensor- and expert-parallel groups) share a node; SGLang engines take
-    their tensor-parallel GPUs; everything else takes a sliver of a CPU."""
+    ranks take one GPU each from one placement group, reserved first and packed, handed out
+    node by node so that consecutive ranks (tensor- and expert-parallel groups) share a node;
+    SGLang engines take their tensor-parallel GPUs from a group reserved after it; everything
+    else takes a sliver of a CPU."""
 
     kind = "ray"
     SLIVER = {"num_cpus": 0.01}
