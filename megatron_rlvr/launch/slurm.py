@@ -134,6 +134,29 @@ def check_inputs_present(cfg: ResolvedConfig) -> None:
             raise SubmitError(f"{where}.path = {missing[0]!r}: no such file")
 
 
+# ----------------------------------------------------------------------------- stopping in time
+STEP_ALLOWANCE_S = 120  # the step in progress when the signal comes finishes first
+CHECKPOINT_WRITE_BYTES_S = 1e9  # an assumed aggregate write rate to the shared file system
+CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights, Adam m and v
+CHECKPOINT_DTYPE_BYTES = 2  # the HF checkpoint's bytes a parameter (bf16)
+
+
+def stop_grace(cfg: ResolvedConfig) -> tuple[int, str]:
+    """Seconds between the stop signal and the end of the job that a run needs to finish its
+    step and write a checkpoint, sized from the model's checkpoint files, and how: a step
+    allowance plus the checkpoint's bytes at an assumed shared-file-system write rate."""
+    files = list(Path(cfg.model.path).glob("*.safetensors")) if isinstance(cfg.model, HFModel) else []
+    if not files:
+        return 300, "no *.safetensors at model.path to size the checkpoint from: 300 s"
+    params = sum(f.stat().st_size for f in files) / CHECKPOINT_DTYPE_BYTES
+    checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
+    seconds = max(120, int(STEP_ALLOWANCE_S + checkpoint / CHECKPOINT_WRITE_BYTES_S))
+    return seconds, (
+        f"{seconds} s: a step ({STEP_ALLOWANCE_S} s) + a checkpoint of {params / 1e9:.1f}B parameters × "
+        f"{CHECKPOINT_BYTES_PER_PARAM} B = {checkpoint / 1e9:.0f} GB at {CHECKPOINT_WRITE_BYTES_S / 1e9:g} GB/s"
+    )
+
+
 # ----------------------------------------------------------------------------- rendering
 @dataclass
 class JobSpec:
@@ -152,7 +175,8 @@ class JobSpec:
     container: str = ""
     iface: str = ""
     join_timeout_s: int = 300
-    stop_grace_s: int = 120  # SIGTERM this long before the time limit: the run saves and stops
+    stop_grace_s: int = 300  # SIGTERM this long before the time limit: the run saves and stops
+    stop_grace_reason: str = ""  # how stop_grace_s was sized, for the script's header
 
 
 def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
@@ -192,6 +216,8 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
     header = [f"#SBATCH {d}" for d in directives]
     header += ["#", "# Resources (checked by megatron-rlvr submit before submission):"]
     header += [f"#   {line}" for line in resources.lines()]
+    if spec.stop_grace_reason:
+        header += [f"# Stop grace (SIGTERM before the time limit, the driver's time to save): {spec.stop_grace_reason}"]
     fields = {
         "directives": "\n".join(header),
         "workdir": q(str(spec.workdir)),
@@ -199,6 +225,7 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
         "log_root": q(str(spec.log_root)),
         "gpus_per_node": str(spec.gpus_per_node),
         "join_timeout_s": str(spec.join_timeout_s),
+        "stop_grace_s": str(spec.stop_grace_s),
         "container": spec.container,
         "iface": q(spec.iface),
         "train_args": " ".join(q(a) for a in [str(spec.config), *spec.overrides]),
@@ -316,9 +343,8 @@ def add_submit_parser(sub) -> None:
     cmd.add_argument(
         "--stop-grace-s",
         type=int,
-        default=120,
-        help="SIGTERM the run this long before --time runs out, so it saves and stops (default 120; "
-        "more than one training step plus a checkpoint)",
+        help="SIGTERM the run this long before --time runs out, so it saves and stops (default: a step "
+        "plus the checkpoint's size at 1 GB/s, from the model's safetensors; 300 without them)",
     )
     cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
@@ -342,8 +368,11 @@ def submit_command(args: argparse.Namespace) -> int:
         container=args.container,
         iface=args.iface,
         join_timeout_s=args.join_timeout_s,
-        stop_grace_s=args.stop_grace_s,
     )
+    if args.stop_grace_s is not None:
+        spec.stop_grace_s, spec.stop_grace_reason = args.stop_grace_s, f"{args.stop_grace_s} s (--stop-grace-s)"
+    else:
+        spec.stop_grace_s, spec.stop_grace_reason = stop_grace(cfg)
     if args.bin_dir:
         spec.bin_dir = Path(args.bin_dir)
     script = render(spec, resources)
