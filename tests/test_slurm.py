@@ -345,7 +345,7 @@ def test_the_head_takes_the_interface_address_and_one_node_ip_flag():
     with pytest.raises(ray_join.JoinError, match="no such network interface"):
         ray_join.head_address("no-such-if0")
     script = slurm.TEMPLATE.read_text()
-    assert "ray_join address --iface \"$RLVR_IFACE\"" in script
+    assert 'ray_join address --iface "$RLVR_IFACE"' in script
     # the head's address reaches `ray start` once, through the node wrapper, never as an argument too
     head_line = next(line for line in script.splitlines() if line.startswith('node_step "$HEAD_NODE" head'))
     assert "--node-ip-address" not in head_line and '"$HEAD_IP"' in head_line
