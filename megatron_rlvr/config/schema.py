@@ -194,6 +194,14 @@ class AlgoConfig(Section):
         "exploration alive where groups would collapse to one answer",
     )
     num_minibatches: PositiveInt = Field(1, description="optimizer steps per rollout batch (>1 is off-policy)")
+    epochs: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="passes over each rollout batch (verl's ppo_epochs), each split into num_minibatches "
+        "optimizer steps in the same order; passes after the first train off-policy (train/last_epoch/* "
+        "says how far they drifted)",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -154,13 +154,14 @@ class Learner:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         t = self.cfg.trainer
-        total = max(t.steps * self.cfg.algo.num_minibatches, 1)
+        per_step = self.cfg.algo.num_minibatches * self.cfg.algo.epochs  # optimizer steps a trainer step
+        total = max(t.steps * per_step, 1)
         return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if t.warmup_steps else t.lr,
             max_lr=t.lr,
             min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps * self.cfg.algo.num_minibatches,
+            lr_warmup_steps=t.warmup_steps * per_step,
             lr_decay_steps=total,
             lr_decay_style=t.lr_decay_style,
             start_wd=t.weight_decay,
@@ -296,8 +297,10 @@ class Learner:
         return full[:rows, : batch.input_ids.shape[1]]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """num_minibatches optimizer steps over the batch (needs advantages and
-        old_logprobs). Returns metrics averaged over mini-batches, plus the last grad norm."""
+        """algo.epochs passes over the batch, each num_minibatches optimizer steps in the same
+        order (needs advantages and old_logprobs). Returns each metric's mean over every
+        optimizer step; with several passes also the last pass's own means as last_epoch/*
+        (how far the later passes drifted from the old policy)."""
         for chunk in self.chunks:
             chunk.train()
         per_mini = self.cfg.algo.num_minibatches
@@ -311,7 +314,8 @@ class Learner:
         ]
         history: list[dict[str, float]] = []
         hooks = self._routing_hooks(batch, "train")
-        for k, full in enumerate(full_minis):
+        passes = [(k, full) for _ in range(self.cfg.algo.epochs) for k, full in enumerate(full_minis)]
+        for k, full in passes:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -338,7 +342,9 @@ class Learner:
             )
             history.append(metrics)
         self.step += 1
-        metrics = {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        metrics = mean_metrics(history)
+        if self.cfg.algo.epochs > 1:
+            metrics.update({f"last_epoch/{k}": v for k, v in mean_metrics(history[-per_mini:]).items()})
         if self.replay is not None:
             self.replay.stop_measuring()
             metrics.update(self.replay.take_agreement("routing_agreement"))
@@ -389,3 +395,8 @@ class Learner:
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model as HF-named tensors (collective; see model.export_hf_weights)."""
         return model_lib.export_hf_weights(self.modules, self.bridge)
+
+
+def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over optimizer steps."""
+    return {key: sum(h[key] for h in history) / len(history) for key in history[0]}
