@@ -163,6 +163,58 @@ def test_groups_cut_off_in_flight_by_a_checkpoint_are_generated_again_first_on_r
     asyncio.run(go())
 
 
+def test_a_checkpoint_taken_while_a_group_is_scored_loses_no_prompt_on_resume(engine):
+    """The run's checkpoint (Run.finish_step) takes the sampler's and the buffer's state with
+    sampler.snapshot(). A group taken from the engine but still being scored is in neither
+    the engine's queue nor the buffer: it must be in the snapshot's in_flight, so every prompt
+    submitted before the snapshot is trained, waiting in the buffer, or generated again."""
+    submitted: list[str] = []
+    hold, held, release = False, asyncio.Event(), asyncio.Event()
+
+    async def score(responses, record):
+        if hold and not held.is_set():  # the first group scored after the fill waits here
+            held.set()
+            await release.wait()
+        return [float(i % 2) for i in range(len(responses))]  # every group useful
+
+    def sampler_for(manager, buffer, in_flight):
+        def encode(record):
+            submitted.append(record.prompt_id)
+            return [1, 5 + int(record.prompt)]
+
+        return ActiveSampler(
+            manager, buffer, PROMPTS, encode=encode, decode=lambda ids: "", score=score, in_flight=in_flight
+        )
+
+    async def go():
+        nonlocal hold
+        client = EngineClient(engine.url)
+        manager = RolloutManager([client], p.SamplingParams(max_new_tokens=16, n=2, ignore_eos=True))
+        try:
+            before = sampler_for(manager, Buffer(max_staleness=5), in_flight=True)
+            trained = await before.fill(2, policy_version=0)  # the learner "trains" these
+            hold = True  # keeping busy, the sampler files the next group to finish: it is held scoring
+            await asyncio.wait_for(held.wait(), timeout=120)
+            state, buffer_state, drawn = await before.snapshot()  # the checkpoint, taken now
+            release.set()
+            await before.stop_generating()  # the run stops
+            assert drawn == trained  # the latest fill's batch (the run saves it only while pending)
+            accounted = [g.prompt_id for g in trained + buffer_state["ready"]] + state["in_flight"]
+            assert sorted(accounted) == sorted(submitted[: state["submitted"]])
+
+            resumed_buffer = Buffer(max_staleness=5)
+            await resumed_buffer.load_state(buffer_state)
+            resumed = sampler_for(manager, resumed_buffer, in_flight=False)
+            del submitted[:]
+            assert resumed.load_state(state) == len(state["in_flight"])
+            await resumed.fill(2, policy_version=1, drain=True)
+            assert submitted[: len(state["in_flight"])] == state["in_flight"]  # generated again, first
+        finally:
+            await client.close()
+
+    asyncio.run(go())
+
+
 @pytest.mark.parametrize(
     "overrides, expected",
     [
