@@ -214,8 +214,10 @@ class Run:
             # fill was submitted to this loop before this coroutine, so it has begun (and
             # cleared the previous fill's draw) by now.
             sampler, buffer, drawn = await self.sampler.snapshot()
-            pending = self.pending
-            ready = pending is not None and pending.done() and pending.exception() is None
+            pending, next_batch = self.pending, None
+            if pending is not None:
+                ready = pending.done() and pending.exception() is None
+                next_batch = pending.result() if ready else drawn
             return {
                 "step": step,
                 "version": self.version,
@@ -224,7 +226,7 @@ class Run:
                 "buffer": buffer,
                 "manager": dict(self.manager.stats),
                 "trained_groups": self.trained_groups,
-                "next_batch": pending.result() if ready else drawn if pending is not None else None,
+                "next_batch": next_batch,
             }
 
         self._rollout_snapshot = self.rollout.run(rollout_state())
