@@ -216,19 +216,25 @@ class Run:
         step holds, even if written later, after a stop request) and saves if asked."""
 
         async def rollout_state() -> dict:
-            # an async run's next batch, if already drawn from the buffer, is part of the
-            # state: a resumed run trains on it rather than counting a second one as used
-            pending = self.pending
-            ready = pending is not None and pending.done() and pending.exception() is None
+            # sampler and buffer at one point, so no group being scored is in neither; an
+            # overlapped run's next batch, once drawn from the buffer, is part of the state: a
+            # resumed run trains on it rather than counting a second one as used. The pending
+            # fill was submitted to this loop before this coroutine, so it has begun (and
+            # cleared the previous fill's draw) by now.
+            sampler, buffer, drawn = await self.sampler.snapshot()
+            pending, next_batch = self.pending, None
+            if pending is not None:
+                ready = pending.done() and pending.exception() is None
+                next_batch = pending.result() if ready else drawn
             return {
                 "step": step,
                 "version": self.version,
-                "sampler": self.sampler.state(),
+                "sampler": sampler,
                 "ema_baselines": self.ema_baselines.to_dict(),
-                "buffer": await self.buffer.state(),
+                "buffer": buffer,
                 "manager": dict(self.manager.stats),
                 "trained_groups": self.trained_groups,
-                "next_batch": pending.result() if pending is not None and ready else None,
+                "next_batch": next_batch,
             }
 
         self._rollout_snapshot = self.rollout.run(rollout_state())

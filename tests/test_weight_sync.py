@@ -4,7 +4,6 @@ parts of it: bucket packing, the update group's layout over (engines × tp × ep
 import asyncio
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
@@ -148,17 +147,16 @@ def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines,
             await syncer.connect()
             version = syncer.version
             await client.destroy_weights_update_group("refusal_test")
-            started = time.monotonic()
             with pytest.raises(WeightSyncError) as err:
                 await syncer.sync(weights, version + 1)
-            return str(err.value), time.monotonic() - started, version
+            return str(err.value), version
         finally:
             await client.close()
 
-    message, seconds, version = asyncio.run(refused_sync())
+    message, version = asyncio.run(refused_sync())
+    # the engine's refusal itself, before any broadcast (not a broadcast left waiting for it)
     assert f"engine {engine.url} refused bucket 0" in message and "before its broadcast was posted" in message
     assert "no weight update group named 'refusal_test'" in message
-    assert seconds < 30
     info = httpx.get(f"{engine.url}/model_info", timeout=10).json()
     assert info["weight_version"] == str(version)  # nothing loaded
     row = httpx.post(
