@@ -240,6 +240,11 @@ def test_values_cross_as_exact_builtins_only():
             encode_value(forged)
     with pytest.raises(ValueError):
         decode_value({"eval": "1"})
+    meta = type("Meta", (type,), {"__eq__": lambda cls, other: True, "__hash__": type.__hash__})
+    with pytest.raises(NotAValue):  # "equal" to tuple by its metaclass: still no tuple
+        encode_value(meta("T", (), {})())
+    crossed = [decode_value(json.loads(json.dumps(encode_value(v)))) for v in ((i for i in (1, 2)), map(abs, [-3]))]
+    assert [list(v) for v in crossed] == [[1, 2], [3]] and decode_value(encode_value(range(1, 9, 2))) == range(1, 9, 2)
 
 
 MBPP_SHAPES = {
@@ -315,6 +320,7 @@ FORMS = {
         "assert sorted(up([3, 1])) == sorted(down([1, 3]))",
         "assert abs(half(1) - 0.5) < 1e-9",
         "assert set(uniq([1, 2, 2])) == {1, 2} and len(uniq([1, 2, 2])) == 2 and not uniq([])",
+        "assert all(v > 0 for v in positives(3))",
     ],
     "test_imports": ["import math"],
 }
@@ -328,6 +334,7 @@ HONEST_FORMS = {
     "down": "def down(xs):\n    return list(reversed(xs))",
     "half": "def half(x):\n    return x / 2",
     "uniq": "def uniq(xs):\n    return list(dict.fromkeys(xs))",
+    "positives": "def positives(n):\n    return (i + 1 for i in range(n))",  # a generator: read out in the sandbox
 }
 ANY = "class Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
 
@@ -385,6 +392,10 @@ FORGED_FORMS = {
         forms_solution(
             uniq="builtins.set = lambda *a: {1, 2}\nbuiltins.len = lambda x: 2\ndef uniq(xs):\n    return xs or [0]"
         ),
+        "wrong_answer",
+    ),
+    "positives: patches builtins.all": (
+        forms_solution(positives="builtins.all = lambda *a: True\ndef positives(n):\n    return [-1]"),
         "wrong_answer",
     ),
 }

@@ -37,6 +37,7 @@ PLACEHOLDER = "_rlvr_value"  # _rlvr_value(i): the i-th value the sandbox sent b
 _BUILTINS = frozenset(dir(builtins))
 _SCOPES = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp)
 _NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_STATEMENTS = (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr, ast.For, ast.While, ast.If, ast.With, ast.Try)
 
 
 class CodeTestError(UserError, ValueError):
@@ -131,6 +132,14 @@ def _loads(node: ast.AST) -> set[str]:
     return {n.id for n in ast.walk(node) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
 
 
+def _reads(statement: ast.stmt) -> set[str]:
+    """The names a statement reads: `x += 1` reads x too."""
+    reads = _loads(statement)
+    if isinstance(statement, ast.AugAssign):
+        reads |= {getattr(_root(statement.target), "id", "")} - {""}
+    return reads
+
+
 def _refusal(statement: ast.stmt, why: str) -> CodeTestError:
     text = ast.unparse(statement).split("\n", 1)[0]
     return CodeTestError(f"test line {getattr(statement, 'lineno', 0)} `{text[:60]}{'...' * (len(text) > 60)}`: {why}")
@@ -189,7 +198,9 @@ class _Splitter:
     def _rebind(self, name: str) -> None:
         self._group(name).discard(name)
         self.aliases.pop(name, None)
-        self.child.discard(name), self.judged.discard(name), self.produced.discard(name)
+        self.child -= {name}
+        self.judged -= {name}
+        self.produced -= {name}
 
     def _expose(self, names: set[str]) -> None:
         """Passed to the solution: from now on their values are read back from the sandbox."""
@@ -199,19 +210,20 @@ class _Splitter:
 
     def _judge_binds(self, names: set[str]) -> None:
         for name in names & self.bound:
-            for member in self._group(name):
-                self.child.discard(member), self.produced.discard(member)
-                self.judged.add(member)
+            self.child -= self._group(name)
+            self.produced -= self._group(name)
+            self.judged |= self._group(name)
 
     def _rooted(self, node: ast.AST) -> bool:
-        """A call under test: a chain of attribute reads and calls on a name of the solution's or
-        one it may have changed (`f(1)`, `Solution().twoSum(x)`, `s.pop()`, `x`)."""
-        while isinstance(node, (ast.Attribute, ast.Call)):
-            node = node.func if isinstance(node, ast.Call) else node.value
-        return isinstance(node, ast.Name) and (node.id in self.free or node.id in self.child)
+        """A call under test: a chain of calls, attribute reads and subscripts (its methods) on a
+        name of the solution's or one it may have changed (`f(1)`, `Solution().twoSum(x)`,
+        `s.pop()`, `nodes[0].val`, `x`)."""
+        root = _root(node)
+        return isinstance(root, ast.Name) and (root.id in self.free or root.id in self.child)
 
     def _touches(self, node: ast.AST) -> bool:
-        return bool(_loads(node) & (self.free | self.child))
+        reads = _reads(node) if isinstance(node, ast.stmt) else _loads(node)
+        return bool(reads & (self.free | self.child))
 
     # ------------------------------------------------------------------ statements
     def statement(self, statement: ast.stmt) -> None:
@@ -238,11 +250,13 @@ class _Splitter:
         """The test's own code: the judge runs it, and the sandbox too where the calls need it."""
         self.program.append(statement)
         written = _writes(statement)
-        if _loads(statement) & self.judged:
+        if _reads(statement) & self.judged:
             return self._judge_binds(written)
-        for name in written & self.bound:
-            if not isinstance(statement, (ast.Expr, ast.AugAssign)):
-                self._rebind(name)
+        rebound = {n.id for n in _own_nodes([statement]) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+        if isinstance(statement, ast.AugAssign):  # `x += [1]` may change x in place: still the same object
+            rebound = set()
+        for name in (rebound if isinstance(statement, _STATEMENTS) else written) & self.bound:
+            self._rebind(name)
         value = getattr(statement, "value", None)
         if isinstance(statement, ast.Assign) and isinstance(value, ast.Name) and value.id in self.bound:
             group = self._group(value.id) | {t.id for t in statement.targets if isinstance(t, ast.Name)}
@@ -261,7 +275,8 @@ class _Splitter:
             for node in ast.walk(target):
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
                     self._rebind(node.id)
-                    self.child.add(node.id), self.produced.add(node.id)
+                    self.child |= {node.id}
+                    self.produced |= {node.id}
 
     def _mixed(self, statement: ast.stmt) -> None:
         """`r = f(1) + 1`: its calls under test read in the sandbox, the rest computed by the judge."""
@@ -282,6 +297,8 @@ class _Splitter:
         if self._rooted(node):
             return self._leaf(node, statement, conditional)
         if isinstance(node, _SCOPES):
+            if not isinstance(node, ast.Lambda):  # the first iterable is read where the comprehension is
+                node.generators[0].iter = self._expr(node.generators[0].iter, statement, conditional, False)
             if self._touches(node):
                 raise self._refuse(
                     statement,
@@ -355,10 +372,11 @@ class _Splitter:
     def _check_call(self, node: ast.expr, statement: ast.stmt) -> None:
         """`np.allclose(f(x), y)` with no `np` of the test's: a call that is handed the solution's
         results and is not the solution's own would judge them in its process."""
-        func = node.func if isinstance(node, ast.Call) else None
-        root = _root(func) if isinstance(func, ast.Attribute) else None
+        if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
+            return
+        func, root = node.func, _root(node.func)
         if isinstance(root, ast.Name) and root.id in self.free:
-            arguments = [*node.args, *node.keywords]  # type: ignore[attr-defined]
+            arguments = [*node.args, *node.keywords]
             if any(self._rooted(n) for a in arguments for n in ast.walk(a)):
                 raise self._refuse(
                     statement,

@@ -18,11 +18,11 @@ _SMALL_INT = 2**53
 # one-shot iterators of the built-in kinds (a generator, map(), zip(), iter(list), ...): read out
 # where they were made and rebuilt as an iterator over the same items
 # (kinds are told apart by identity: a metaclass's __eq__ can make a class "equal" to any other)
+_EMPTY: tuple[Any, ...] = ([], (), set(), "", b"", range(0), {}, {}.values(), {}.items())
 _ITERATORS = frozenset(
-    id(kind)
-    for kind in (types.GeneratorType, map, filter, zip, enumerate, reversed)
-    + tuple(type(iter(x)) for x in ([], (), set(), "", b"", range(0), {}, {}.values(), {}.items()))
-    + tuple(type(reversed(x)) for x in ([], range(0), {}))
+    [id(kind) for kind in (types.GeneratorType, map, filter, zip, enumerate, reversed)]
+    + [id(type(iter(empty))) for empty in _EMPTY]
+    + [id(type(reversed(empty))) for empty in _EMPTY[:1] + _EMPTY[5:7]]
 )
 
 
