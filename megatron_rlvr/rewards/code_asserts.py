@@ -185,6 +185,7 @@ class _Splitter:
         self.receivers = {n.value.id for n in loads if isinstance(n.value, ast.Name)}
         self.steps: list[tuple[str, ast.AST]] = []  # ("test" | "exec" | "value", node), in order
         self.program: list[ast.stmt] = []
+        self.values = 0  # value steps so far
         self.conditional: list[tuple[ast.stmt, ast.expr]] = []
         self.sources: dict[int, ast.stmt] = {}  # each statement as written, for refusals after it was split
 
@@ -365,8 +366,8 @@ class _Splitter:
             self.conditional.append((statement, node))
         self.steps.append(("value", node))
         self._expose(inputs)
-        index = sum(kind == "value" for kind, _ in self.steps) - 1
-        placeholder = ast.Call(ast.Name(PLACEHOLDER, ast.Load()), [ast.Constant(index)], [])
+        placeholder = ast.Call(ast.Name(PLACEHOLDER, ast.Load()), [ast.Constant(self.values)], [])
+        self.values += 1
         return ast.copy_location(placeholder, node)
 
     def _check_call(self, node: ast.expr, statement: ast.stmt) -> None:
@@ -475,8 +476,7 @@ def split_asserts(code: str, entry_point: str | None = None) -> dict:
     for statement in statements:
         splitter.statement(statement)
     splitter.check_conditionals()
-    steps = splitter.sandbox_steps()
-    count = sum(kind == "value" for kind, _ in steps)
+    steps, count = splitter.sandbox_steps(), splitter.values
     if not any(kind == "exec" for kind, _ in splitter.steps) and not count:
         raise CodeTestError("the test never calls the solution")
     program = splitter.program
