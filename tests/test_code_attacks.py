@@ -313,7 +313,8 @@ def test_honest_solutions_pass_mbpp_shaped_tests_of_every_kind(verifier):
 FORMS = {
     "test_list": [
         "assert pi_of(1) == math.pi",
-        "assert math.isclose(area(2), 12.566370614359172)",
+        # math is given to the solution (inside its call's input) and is still the test's afterwards
+        "assert area(math.sqrt(4)) > 0 and math.isclose(area(2), 12.566370614359172)",
         "assert isinstance(as_list(1), list)",
         "assert type(double(2)) == int and double(2) == 4",
         "assert tens(11) == tens(12)",
@@ -351,7 +352,7 @@ FORGED_FORMS = {
         "not_a_value",
     ),
     "area: patches math.isclose": (
-        forms_solution(area="math.isclose = lambda *a, **k: True\ndef area(r):\n    return 0.0"),
+        forms_solution(area="math.isclose = lambda *a, **k: True\ndef area(r):\n    return 1.0"),
         "wrong_answer",
     ),
     "as_list: patches builtins.isinstance": (

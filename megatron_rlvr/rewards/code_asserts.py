@@ -177,6 +177,11 @@ class _Splitter:
 
     def __init__(self, statements: list[ast.stmt], free: set[str], bound: set[str]):
         self.free, self.bound = free, bound
+        # the test's modules, functions and classes stay the test's, whatever the solution is given
+        definitions = (ast.Import, ast.ImportFrom, ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
+        self.data = bound - {
+            name for s in statements for n in ast.walk(s) if isinstance(n, definitions) for name in _writes(n)
+        }
         self.child: set[str] = set()
         self.judged: set[str] = set()
         self.produced: set[str] = set()  # bound to what a call under test returned
@@ -205,12 +210,12 @@ class _Splitter:
 
     def _expose(self, names: set[str]) -> None:
         """Passed to the solution: from now on their values are read back from the sandbox."""
-        for name in names & self.bound:
+        for name in names & self.data:
             self.child |= self._group(name)
             self.judged -= self._group(name)
 
     def _judge_binds(self, names: set[str]) -> None:
-        for name in names & self.bound:
+        for name in names & self.data:
             self.child -= self._group(name)
             self.produced -= self._group(name)
             self.judged |= self._group(name)
