@@ -421,11 +421,15 @@ STATEFUL = {
         "a = [5, 4]\nb = a\nsort_in_place(a)\nassert b == [4, 5] and len(a) == 2",
         "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1 and s.peek() == 1",
         "head = build([1, 2, 3])\nhead = reverse(head)\nassert to_list(head) == [3, 2, 1] and head.val == 3",
+        # the solution is handed a copy: the test's own list is the judge's, whatever the solution rebinds
+        "arr = [3, 1, 2]\nassert sort_copy(list(arr)) == sorted(arr)",
     ],
 }
 HONEST_STATEFUL = """
 def sort_in_place(xs):
     xs.sort()
+def sort_copy(xs):
+    return sorted(xs)
 class Stack:
     def __init__(self):
         self.items = []
@@ -473,6 +477,9 @@ def test_stateful_tests_are_judged_on_the_state_the_solution_left(verifier):
         "a stack that forgets": HONEST_STATEFUL.replace("self.items.append(x)", "self.items = [x]"),
         "patches builtins.len": "import builtins\nbuiltins.len = lambda x: 2\n"
         + HONEST_STATEFUL.replace("xs.sort()", "pass"),
+        "rebinds the test's own list to what it returns": HONEST_STATEFUL.replace(
+            "return sorted(xs)", "import sys\n    sys._getframe(1).f_globals['arr'] = [9]\n    return [9]"
+        ),
     }
     assert score(verifier, {"honest": HONEST_STATEFUL, **forged}, STATEFUL) == {
         "honest": (1.0, "passed"),
@@ -481,6 +488,7 @@ def test_stateful_tests_are_judged_on_the_state_the_solution_left(verifier):
         "pop returns an object equal to everything": (0.0, "not_a_value"),
         "a stack that forgets": (0.0, "wrong_answer"),
         "patches builtins.len": (0.0, "wrong_answer"),
+        "rebinds the test's own list to what it returns": (0.0, "wrong_answer"),
     }
 
 

@@ -6,10 +6,11 @@ parsed here (Python `ast`) into
 - the steps the sandbox runs after the solution: the test's statements its calls need (`x = [3,
   1]`), statements that only call the solution (`sort_in_place(x)`, `s = Stack()`, `s.push(1)`),
   and, for every assert, the values of its calls under test in the order Python evaluates them:
-  `f(x)`, `g(2)`, then `x` (a name the solution may have changed is read back where the test
-  reads it). A call under test is a call of the solution's (or a method or attribute of what it
-  returned or was given); its arguments are its inputs. Nothing else is evaluated there, and the
-  values come back as plain data (code_values);
+  `f(x)`, `g(2)`, then `x` (a name the test handed to the solution as it is, not a copy, is
+  read back where the test reads it, as Python would see it). A call under test is a call of
+  the solution's (or a method, attribute or item of what it returned or was given); its
+  arguments are its inputs. Nothing else is evaluated there, and the values come back as plain
+  data (code_values);
 - the judge program: the test with each call under test replaced by `_rlvr_value(i)`, the i-th
   value sent back: `assert sorted(_rlvr_value(0)) == _rlvr_value(1) and _rlvr_value(2) == [1, 3]`.
   Every comparison, operator and function of the test's own (sorted, len, isinstance,
@@ -208,8 +209,38 @@ class _Splitter:
         self.judged -= {name}
         self.produced -= {name}
 
+    def _by_reference(self, node: ast.AST) -> set[str]:
+        """The test's names whose objects a call under test is handed, so that the solution may
+        change them: its arguments as they are (`x`, `[x, y]`, `x[0]`, `x.items`, `*x`), also in
+        a nested call under test; not a copy or a value computed from them (`x[:]`, `list(x)`,
+        `len(x)`, `x + [1]`)."""
+        names: set[str] = set()
+        pending: list[ast.AST] = []
+        chain = node
+        while isinstance(chain, (ast.Attribute, ast.Call, ast.Subscript)):
+            if isinstance(chain, ast.Call):
+                pending += [*chain.args, *(k.value for k in chain.keywords)]
+            chain = chain.func if isinstance(chain, ast.Call) else chain.value
+        while pending:
+            arg = pending.pop()
+            if isinstance(arg, ast.Name):
+                names.add(arg.id)
+            elif isinstance(arg, (ast.Starred, ast.Attribute, ast.NamedExpr)):
+                pending.append(arg.value)
+            elif isinstance(arg, ast.Subscript) and not isinstance(arg.slice, ast.Slice):
+                pending.append(arg.value)
+            elif isinstance(arg, (ast.List, ast.Tuple, ast.Set)):
+                pending += arg.elts
+            elif isinstance(arg, ast.Dict):
+                pending += [*filter(None, arg.keys), *arg.values]
+            elif isinstance(arg, ast.IfExp):
+                pending += [arg.body, arg.orelse]
+            elif isinstance(arg, ast.Call) and self._rooted(arg):
+                names |= self._by_reference(arg)
+        return names
+
     def _expose(self, names: set[str]) -> None:
-        """Passed to the solution: from now on their values are read back from the sandbox."""
+        """Handed to the solution: from now on their values are read back from the sandbox."""
         for name in names & self.data:
             self.child |= self._group(name)
             self.judged -= self._group(name)
@@ -227,6 +258,15 @@ class _Splitter:
         root = _root(node)
         return isinstance(root, ast.Name) and (root.id in self.free or root.id in self.child)
 
+    def _settable(self, target: ast.expr) -> bool:
+        """A target the sandbox may store into: a name, or a part of the solution's objects (the
+        judge stores into the test's own: `d["k"] = f(1)`)."""
+        if isinstance(target, (ast.Tuple, ast.List)):
+            return all(map(self._settable, target.elts))
+        if isinstance(target, ast.Starred):
+            return self._settable(target.value)
+        return isinstance(target, ast.Name) or self._rooted(target)
+
     def _touches(self, node: ast.AST) -> bool:
         reads = _reads(node) if isinstance(node, ast.stmt) else _loads(node)
         return bool(reads & (self.free | self.child))
@@ -242,7 +282,11 @@ class _Splitter:
             return self.program.append(statement)
         if isinstance(statement, ast.Expr) and self._rooted(statement.value):
             return self._exec(statement, statement.value, [])
-        if isinstance(statement, ast.Assign) and self._rooted(statement.value):
+        if (
+            isinstance(statement, ast.Assign)
+            and self._rooted(statement.value)
+            and all(map(self._settable, statement.targets))
+        ):
             return self._exec(statement, statement.value, statement.targets)
         if isinstance(statement, (ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)):
             return self._mixed(statement)
@@ -276,7 +320,7 @@ class _Splitter:
         for name in sorted(_loads(statement) & self.judged):
             raise self._judged_input(statement, name)
         self.steps.append(("exec", statement))
-        self._expose(_loads(statement) - _bound_names([value]))
+        self._expose(self._by_reference(value))
         for target in targets:
             for node in ast.walk(target):
                 if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
@@ -370,7 +414,7 @@ class _Splitter:
         if conditional:
             self.conditional.append((statement, node))
         self.steps.append(("value", node))
-        self._expose(inputs)
+        self._expose(self._by_reference(node))
         placeholder = ast.Call(ast.Name(PLACEHOLDER, ast.Load()), [ast.Constant(self.values)], [])
         self.values += 1
         return ast.copy_location(placeholder, node)
