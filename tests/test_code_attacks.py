@@ -222,6 +222,7 @@ def test_the_sandbox_never_sees_an_expected_value():
         "def helper():\n    return f(1)\nassert helper() == 1",
         "assert list(map(f, [1, 2])) == [2, 4]",
         "assert np.allclose(f(1), [1.0])",
+        "np.testing.assert_allclose(f(1), [1.0])",
         "s = Stack()\ns.push(1)\nassert len(s) == 1",
         "s = Stack()\nassert s.size() == 0 or s.pop() == 1",
     ],
@@ -423,6 +424,7 @@ STATEFUL = {
         "head = build([1, 2, 3])\nhead = reverse(head)\nassert to_list(head) == [3, 2, 1] and head.val == 3",
         # the solution is handed a copy: the test's own list is the judge's, whatever the solution rebinds
         "arr = [3, 1, 2]\nassert sort_copy(list(arr)) == sorted(arr)",
+        "assert to_list(Solution().reverseList(build([1, 2]))) == [2, 1]",  # LeetCode's class
     ],
 }
 HONEST_STATEFUL = """
@@ -454,6 +456,9 @@ def reverse(head):
     while head:
         head.next, previous, head = previous, head, head.next
     return previous
+class Solution:
+    def reverseList(self, head):
+        return reverse(head)
 def to_list(head):
     out = []
     while head:

@@ -424,7 +424,9 @@ class _Splitter:
         results and is not the solution's own would judge them in its process."""
         if not isinstance(node, ast.Call) or not isinstance(node.func, ast.Attribute):
             return
-        func, root = node.func, _root(node.func)
+        func, root = node.func, node.func.value
+        while isinstance(root, ast.Attribute):  # `np.testing.assert_equal`; not `Solution().merge`
+            root = root.value
         if isinstance(root, ast.Name) and root.id in self.free:
             arguments = [*node.args, *node.keywords]
             if any(self._rooted(n) for a in arguments for n in ast.walk(a)):
