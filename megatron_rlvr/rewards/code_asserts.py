@@ -458,7 +458,7 @@ class _Splitter:
     def check_conditionals(self) -> None:
         stateful = any(kind == "exec" for kind, _ in self.steps)
         for statement, node in self.conditional:
-            if stateful or _loads(node) & self.bound:
+            if stateful or _loads(node) & self.data:
                 raise self._refuse(
                     statement,
                     f"{ast.unparse(node)} runs only when the test's condition lets it; the sandbox would run it "
