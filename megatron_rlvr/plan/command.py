@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 from megatron_rlvr.config import ResolvedConfig, load_config
 from megatron_rlvr.plan.build import DEFAULT_PROMPT_TOKENS, plan_run
-from megatron_rlvr.plan.report import check, lines
+from megatron_rlvr.plan.report import MemoryPlanError, check, lines
 
 
 def add_memory_flags(cmd: argparse.ArgumentParser) -> None:
@@ -64,3 +64,23 @@ def main(args: argparse.Namespace, gpu_lines: Callable[[ResolvedConfig], list[st
     for warning in memory_report(cfg, args):
         print(f"megatron-rlvr plan: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def add_submit_flags(cmd: argparse.ArgumentParser) -> None:
+    add_memory_flags(cmd)
+    cmd.add_argument(
+        "--no-memory-check", action="store_true", help="submit even when the memory plan says a GPU is over"
+    )
+
+
+def submit_check(cfg: ResolvedConfig, args: argparse.Namespace) -> None:
+    """`submit`'s memory check: the plan's tables on stderr, then a refusal (MemoryPlanError)
+    when a GPU is over its memory, unless --no-memory-check."""
+    try:
+        warnings = memory_report(cfg, args, out=sys.stderr)
+    except MemoryPlanError as err:
+        if not args.no_memory_check:
+            raise
+        warnings = [f"{str(err).removesuffix(' (--no-memory-check to submit anyway)')}; going ahead (--no-memory-check)"]
+    for warning in warnings:
+        print(f"megatron-rlvr submit: warning: {warning}", file=sys.stderr)
