@@ -129,5 +129,6 @@ def r2_host_bytes(shape: ModelShape, layout: Layout, stage: int, batch: Batch) -
 def sync_bytes(shape: ModelShape, layout: Layout, bucket_bytes: int, a: int) -> int:
     """Weight export on a learner rank: one open bucket, plus the largest tensor gathered whole
     (a TP-merged embedding or output layer, or one expert tensor from every EP rank)."""
-    expert = max(p.numel for p in shape.params_of_layer(next(iter(shape.moe_layers), 0)))
+    layer = shape.params_of_layer(min(shape.moe_layers, default=0))
+    expert = max((p.numel for p in layer if p.split == "expert"), default=0)
     return bucket_bytes + a * max(shape.vocab * shape.hidden, layout.ep * expert)

@@ -1,5 +1,9 @@
 """A run's memory plan from its resolved config: the most loaded learner rank's terms (each
-pipeline stage is planned, the largest kept), one engine GPU's, and the weight sync."""
+pipeline stage is planned, the largest kept), one engine GPU's, and the weight sync.
+
+A learner rank holds its model state throughout and goes through three phases one after the
+other: the logprob pass (forward only), the train step, the weight sync. Its peak is the
+model state plus the largest phase."""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from megatron_rlvr.plan.engines import GB, LINK_GBPS, EngineMemory, SyncCost, en
 from megatron_rlvr.plan.model_state import DTYPE_BYTES, Layout, state_bytes
 from megatron_rlvr.plan.shape import ModelShape, read_config_json, shape_from_hf
 
+TRAIN, LOGPROB, SYNC = "train", "logprob", "sync"  # a learner rank's phases: one at a time
 DEFAULT_PROMPT_TOKENS = 1024  # assumed longest prompt; the config does not bound prompts
 
 
@@ -19,6 +24,7 @@ class Term:
     name: str
     bytes: int
     inputs: str  # the formula's inputs, for the table
+    phase: str = ""  # "": held throughout; else held only in that phase (train, logprob pass, sync)
     host: bool = False  # host memory, not counted against the GPU
 
 
@@ -28,9 +34,24 @@ class RankPlan:
     terms: list[Term]
     capacity: int  # GPU bytes
 
+    def phase_bytes(self) -> dict[str, int]:
+        """GPU bytes held throughout ("") and in each phase; the phases do not overlap."""
+        sums: dict[str, int] = {"": 0}
+        for t in self.terms:
+            if not t.host:
+                sums[t.phase] = sums.get(t.phase, 0) + t.bytes
+        return sums
+
+    @property
+    def peak_phase(self) -> str:
+        phases = {k: v for k, v in self.phase_bytes().items() if k}
+        return max(phases, key=lambda k: phases[k]) if phases else ""
+
     @property
     def device_bytes(self) -> int:
-        return sum(t.bytes for t in self.terms if not t.host)
+        """The peak: what is held throughout plus the largest phase."""
+        sums = self.phase_bytes()
+        return sums[""] + (sums[self.peak_phase] if self.peak_phase else 0)
 
     def largest(self) -> Term:
         return max((t for t in self.terms if not t.host), key=lambda t: t.bytes)
@@ -135,24 +156,37 @@ def _stage_plan(
             activ * flight,
             f"{tokens} tokens/micro-batch × {flight} in flight (1F1B, stage {stage} of {layout.pp}), "
             f"{'full recompute' if t.recompute_activations else 'no recompute'}, sp {sp}",
+            phase=TRAIN,
         ),
     ]
     if t.recompute_activations:
         work = act.recompute_working_bytes(shape, layout, stage, tokens, sp=sp, a=a)
-        terms.append(Term("recompute layer", work, f"one layer rebuilt in backward, {tokens} tokens"))
+        terms.append(Term("recompute layer", work, f"one layer rebuilt in backward, {tokens} tokens", phase=TRAIN))
+    lp_tokens = batch.logprob_tokens
+    terms.append(
+        Term(
+            "forward layer",
+            act.recompute_working_bytes(shape, layout, stage, lp_tokens, sp=sp, a=a),
+            f"one layer's working set, {lp_tokens} tokens (no graph kept)",
+            phase=LOGPROB,
+        )
+    )
     if stage == layout.pp - 1:
-        train = act.logits_bytes(shape, layout, tokens, a, train=True)
-        logprob = act.logits_bytes(shape, layout, batch.logprob_tokens, a, train=False)
-        which = "train step" if train >= logprob else "logprob pass"
-        terms.append(
+        vocab = f"V/tp {shape.vocab // layout.tp} × {a} B"
+        terms += [
             Term(
                 "logits",
-                max(train, logprob),
-                f"{which}: {max(tokens, batch.logprob_tokens) if which != 'train step' else tokens} tokens × "
-                f"V/tp {shape.vocab // layout.tp} × {a} B{' × 2 (grad)' if which == 'train step' else ''} "
-                f"+ 2 fp32 chunks (chunked logprob pass)",
-            )
-        )
+                act.logits_bytes(shape, layout, tokens, a, train=True),
+                f"{tokens} tokens × {vocab}, twice (logits, gradient) + 2 fp32 chunks",
+                phase=TRAIN,
+            ),
+            Term(
+                "logits",
+                act.logits_bytes(shape, layout, lp_tokens, a, train=False),
+                f"{lp_tokens} tokens × {vocab} + 2 fp32 chunks (chunked)",
+                phase=LOGPROB,
+            ),
+        ]
     replay = cfg.algo.routing_replay
     if replay != "none" or cfg.rollout.return_routed_experts:
         kept = flight if t.recompute_activations else 1
@@ -161,6 +195,7 @@ def _stage_plan(
                 "routing replay",
                 act.r3_device_bytes(shape, layout, stage, tokens, sp, kept),
                 f"int64 targets [tokens/sp, top-{shape.top_k}] per MoE layer × {kept} micro-batch(es)",
+                phase=TRAIN,
             )
         )
         if cfg.rollout.return_routed_experts:
@@ -187,13 +222,16 @@ def _stage_plan(
             "sync buckets",
             act.sync_bytes(shape, layout, bucket, a),
             f"bucket {cfg.weight_sync.bucket_mb:g} MiB + largest tensor gathered whole",
+            phase=SYNC,
         )
     )
     title = f"learner rank, pipeline stage {stage} ({layout.text()})"
     return RankPlan(title, terms, gpu_bytes)
 
 
-def engine_plan(cfg: ResolvedConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens: int) -> tuple[RankPlan, EngineMemory]:
+def engine_plan(
+    cfg: ResolvedConfig, shape: ModelShape, gpu_bytes: int, prompt_tokens: int
+) -> tuple[RankPlan, EngineMemory]:
     engine = cfg.rollout.engine
     assert isinstance(engine, SglangEngine)
     bucket = int(cfg.weight_sync.bucket_mb * 2**20)
@@ -208,7 +246,9 @@ def engine_plan(cfg: ResolvedConfig, shape: ModelShape, gpu_bytes: int, prompt_t
     seq = prompt_tokens + cfg.rollout.max_new_tokens
     heads = "MLA latent" if shape.mla else f"{max(1, shape.num_kv_heads // engine.tp)} of {shape.num_kv_heads} KV heads"
     terms = [
-        Term("weights", mem.weights, f"{shape.total_params() / 1e9:.2f}B params ÷ engine tp {engine.tp}, {engine.dtype}"),
+        Term(
+            "weights", mem.weights, f"{shape.total_params() / 1e9:.2f}B params ÷ engine tp {engine.tp}, {engine.dtype}"
+        ),
         Term(
             "KV cache",
             max(0, mem.kv_pool),
@@ -225,7 +265,10 @@ def engine_plan(cfg: ResolvedConfig, shape: ModelShape, gpu_bytes: int, prompt_t
 
 
 def plan_run(
-    cfg: ResolvedConfig, gpu_gb: float = 80.0, link_gbps: float | None = None, prompt_tokens: int = DEFAULT_PROMPT_TOKENS
+    cfg: ResolvedConfig,
+    gpu_gb: float = 80.0,
+    link_gbps: float | None = None,
+    prompt_tokens: int = DEFAULT_PROMPT_TOKENS,
 ) -> MemoryPlan:
     shape = model_shape(cfg)
     gpu_bytes = int(gpu_gb * GB)

@@ -14,7 +14,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from megatron_rlvr.config import ResolvedConfig, load_config
+from megatron_rlvr.config import ResolvedConfig, SglangEngine, load_config
 from megatron_rlvr.plan.build import DEFAULT_PROMPT_TOKENS, plan_run
 from megatron_rlvr.plan.report import MemoryPlanError, check, lines
 
@@ -75,12 +75,17 @@ def add_submit_flags(cmd: argparse.ArgumentParser) -> None:
 
 def submit_check(cfg: ResolvedConfig, args: argparse.Namespace) -> None:
     """`submit`'s memory check: the plan's tables on stderr, then a refusal (MemoryPlanError)
-    when a GPU is over its memory, unless --no-memory-check."""
+    when a GPU is over its memory, unless --no-memory-check. Nothing for a run without GPUs."""
+    engine = cfg.rollout.engine
+    if cfg.parallel.device != "cuda" and not (isinstance(engine, SglangEngine) and engine.device == "cuda"):
+        return
     try:
         warnings = memory_report(cfg, args, out=sys.stderr)
     except MemoryPlanError as err:
         if not args.no_memory_check:
             raise
-        warnings = [f"{str(err).removesuffix(' (--no-memory-check to submit anyway)')}; going ahead (--no-memory-check)"]
+        warnings = [
+            f"{str(err).removesuffix(' (--no-memory-check to submit anyway)')}; going ahead (--no-memory-check)"
+        ]
     for warning in warnings:
         print(f"megatron-rlvr submit: warning: {warning}", file=sys.stderr)

@@ -17,6 +17,7 @@ REMEDIES = {
     "activations": "trainer.recompute_activations=true, a smaller trainer.max_tokens_per_microbatch or "
     "trainer.micro_batch_size, or more parallel.tp / parallel.pp",
     "recompute layer": "a smaller trainer.max_tokens_per_microbatch or trainer.micro_batch_size, or more parallel.tp",
+    "forward layer": "a smaller trainer.max_tokens_per_logprob_microbatch, or more parallel.tp",
     "logits": "a smaller token budget (trainer.max_tokens_per_microbatch, trainer.max_tokens_per_logprob_microbatch "
     "or trainer.micro_batch_size) or more parallel.tp (splits the vocabulary); the logprob pass is already chunked",
     "routing replay": "a smaller token budget or more parallel.tp",
@@ -37,11 +38,17 @@ def _gb(n: int) -> str:
 
 def rank_table(rank: RankPlan) -> list[str]:
     width = max(len(t.name) for t in rank.terms)
+    phases = any(t.phase for t in rank.terms)
     lines = [f"{rank.title}:"]
     for term in rank.terms:
-        lines.append(f"  {term.name:<{width}}  {_gb(term.bytes)}  {term.inputs}")
+        where = "host" if term.host else term.phase or "always"
+        lines.append(f"  {term.name:<{width}}  {_gb(term.bytes)}  {f'{where:<7}  ' if phases else ''}{term.inputs}")
     share = rank.device_bytes / rank.capacity
-    lines.append(f"  {'total':<{width}}  {_gb(rank.device_bytes)}  of {rank.capacity / GB:g} GB per GPU ({share:.0%})")
+    peak = f"always + {rank.peak_phase}, " if rank.peak_phase else ""
+    lines.append(
+        f"  {'peak':<{width}}  {_gb(rank.device_bytes)}  {'' if not phases else ' ' * 9}"
+        f"{peak}of {rank.capacity / GB:g} GB per GPU ({share:.0%})"
+    )
     return lines
 
 
