@@ -172,3 +172,11 @@ def test_plan_runs_without_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+def test_the_docs_show_each_recipes_plan_as_the_command_prints_it(recipe, capsys):
+    assert main(["plan", str(ROOT / "configs" / recipe), "--nodes", str(RECIPES[recipe]), "--gpus-per-node", "8"]) == 0
+    captured = capsys.readouterr()
+    shown = "\n".join(captured.out.splitlines()[4:])  # the plan itself, after the GPU counts
+    assert f"```text\n{shown}\n```" in (ROOT / "docs" / "slurm.md").read_text()

@@ -116,7 +116,9 @@ def buckets(params: list[RankParam], dp_size: int, distributed: bool) -> list[tu
     Parameters are laid out in reverse registration order (backward order)."""
     if not distributed:
         return [(sum(p.numel for p in params), [])]
-    result, ranges, start, bucket_start = [], [], 0, 0
+    result: list[tuple[int, list[tuple[int, int]]]] = []
+    ranges: list[tuple[int, int]] = []
+    start = bucket_start = 0
     end_pad = math.lcm(dp_size, 128)
     for p in reversed(params):
         start = _pad(start, 64)
