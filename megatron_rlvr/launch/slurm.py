@@ -25,6 +25,7 @@ from pathlib import Path
 from megatron_rlvr import run_dir
 from megatron_rlvr.config import HFModel, ResolvedConfig, SglangEngine, data_sources, load_config
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.plan import command as memory_plan
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
 FINAL_STATES = {
@@ -346,6 +347,7 @@ def add_submit_parser(sub) -> None:
         help="SIGTERM the run this long before --time runs out, so it saves and stops (default: a step "
         "plus the checkpoint's size at 1 GB/s, from the model's safetensors; 300 without them)",
     )
+    memory_plan.add_submit_flags(cmd)  # --gpu-memory, --link-gbps, --prompt-tokens, --no-memory-check
     cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
 
@@ -353,6 +355,7 @@ def add_submit_parser(sub) -> None:
 def submit_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     resources = plan(cfg, args.nodes, args.gpus_per_node)
+    memory_plan.submit_check(cfg, args)  # per-GPU memory table on stderr; refuses a GPU over its memory
     log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
     spec = JobSpec(
         config=Path(args.config).absolute(),
