@@ -297,6 +297,7 @@ def test_a_run_killed_mid_save_resumes_from_a_whole_checkpoint(command, tmp_path
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # eight runs of a minute or two each on a loaded 2-core machine
 @pytest.mark.parametrize("command", COMMANDS)
 def test_a_run_killed_at_every_moment_of_a_save_resumes_as_if_never_killed(command, tmp_path):
     """Each phase in turn, one resumed run each; the run then logs what an uninterrupted one
