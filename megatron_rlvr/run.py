@@ -30,7 +30,7 @@ from megatron_rlvr import run_dir
 from megatron_rlvr.algo.ema_state import EmaBaselines
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
-from megatron_rlvr.errors import UserError, original
+from megatron_rlvr.errors import original
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
@@ -48,10 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # an engine dying during a sync (before or after buckets went out) is survived this many times in a row
 SYNC_ATTEMPTS = 3
-
-
-class RunError(UserError, RuntimeError):
-    """A run that cannot start or resume, said in one line."""
 
 
 def prepare_model(cfg: ResolvedConfig) -> tuple[Path, Any]:
@@ -243,20 +239,12 @@ class Run:
             self.save()
 
     def save(self) -> None:
-        """A checkpoint of the last finished step, in a folder of its own: the learner's part,
-        then the rollout side's beside it, then the manifest that makes it complete; only
-        then does `latest` move to it and are older ones removed (run_dir's layout)."""
-        root, step, state = self.checkpoints, self.finished_step, self._rollout_snapshot
+        """A checkpoint of the last finished step, the rollout side's state beside the
+        learner's, in a step folder of its own (run_dir.save)."""
+        step, state = self.finished_step, self._rollout_snapshot
         assert state is not None and state["step"] == step, "finish_step() records the state a save writes"
-        folder = run_dir.begin_save(root, step)
-        self.learners.save(folder / run_dir.LEARNER)
-        run_dir.kill_point("run_state", step)
-        run_dir.write_atomically(folder / run_dir.RUN_STATE, run_dir.dump_run_state(state))
-        run_dir.seal(folder, step)
-        run_dir.point_latest(root, folder, step)
+        run_dir.save(self.checkpoints, step, state, self.learners.save, self.cfg.trainer.keep_checkpoints)
         self.saved_step = step
-        removed = run_dir.prune(root, self.cfg.trainer.keep_checkpoints, step)
-        log.info("saved %s%s", folder, f" (removed {', '.join(removed)})" if removed else "")
 
     @property
     def checkpoints(self) -> Path:
@@ -279,20 +267,11 @@ class Run:
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
         engines; returns the step it was taken after (0: none)."""
-        found = run_dir.resumable(self.checkpoints)
+        found = run_dir.resume(self.checkpoints, self.learners.load, "train")
         if found is None:
-            log.info("no complete checkpoint in %s: starting afresh", self.checkpoints)
             return 0
-        path, _, why = found
-        if why is not None:
-            log.warning("%s: resuming from the newest complete checkpoint, %s", why, path)
-        state = run_dir.load_run_state(path / run_dir.RUN_STATE)
-        step = self.learners.load(path / run_dir.LEARNER)
-        if step != state["step"]:
-            raise RunError(
-                f"checkpoint {path} is inconsistent: learner at step {step}, rollout state "
-                f"at step {state['step']} (remove it to resume from an older one, or set trainer.resume=false)"
-            )
+        path, state = found
+        step = state["step"]
 
         async def restore() -> int:
             cut_off = self.sampler.load_state(state["sampler"])
