@@ -226,13 +226,13 @@ def test_a_vary_comparison_run_again_skips_its_finished_runs_and_reports_by_vari
     assert null.startswith(f"At 1× off-policy (grpo, rollout_correction.rollout_is=null), {one_seed}")
     assert "reward drop none 0.30 (1 of 1), r3 0.00 (0 of 1)" in null
     assert "reward drop none 0.00 (0 of 1), r3 0.00 (0 of 1)" in token
-    assert "entropy lost none missing, r3 missing" in token  # these runs logged no entropy
+    assert "entropy collapse none missing, r3 missing" in token  # these runs logged no entropy
     report = (out / "report.md").read_text()
     assert "and in `algo.rollout_correction.rollout_is` (token, null) (--vary: every combination)." in report
     assert "### grpo, 1× off-policy, rollout_correction.rollout_is=null (mean over the run / last window)" in report
     assert (
         "| grpo 1× none (rollout_correction.rollout_is=null) | 1 | 0.500 → 0.200 | 0.30 (1 of 1) | 1.0× (0 of 1) "
-        "| missing | 4.0e-05 | 97.0% |" in report
+        "| missing | missing | 4.0e-05 | 97.0% |" in report
     )
     table = (out / "table.csv").read_text().splitlines()
     assert table[0].startswith("algo,off_policy,variant,mode,")
@@ -346,7 +346,9 @@ def test_a_comparison_writes_the_table_the_plots_and_the_report(compared):
     # the rule reads what real runs log: every criterion has a number (none is missing)
     assert re.search(r"reward drop none \d\.\d\d \([01] of 1\), r3 \d\.\d\d \([01] of 1\)", done.stdout)
     assert re.search(r"grad-norm peak none \d+\.\d× \([01] of 1\), r3 \d+\.\d× \([01] of 1\)", done.stdout)
-    assert re.search(r"entropy lost none \d+% \([01] of 1\), r3 \d+% \([01] of 1\)", done.stdout)
+    assert re.search(
+        r"entropy collapse none [01] of 1, r3 [01] of 1 \(entropy kept, .*: none \d+%, r3 \d+%\)", done.stdout
+    )
     assert re.search(
         r"Mismatch KL, last window \(shown, not ranked: .*\): none \d\.\de-\d\d; r3 \d\.\de-\d\d\.", done.stdout
     )

@@ -1,7 +1,8 @@
 """`compare-replay`'s stability verdict on made-up metrics: a mode is named most stable only when
 two seeds per mode at least separate it from every other beyond their spread, by what replay does
-not lower by construction (reward collapse, grad-norm spikes, entropy collapse); the mismatch KL
-is shown and never ranks; a missing metric is missing; windows are several steps."""
+not lower by construction (reward collapse, grad-norm spikes, entropy collapse, not the entropy a
+learning policy loses); the mismatch KL is shown and never ranks; a missing metric is missing;
+windows are several steps."""
 
 import pytest
 
@@ -90,7 +91,7 @@ def test_spreads_that_overlap_show_no_difference_and_say_how_many_seeds_would(tm
     assert found.seeds == 17
     assert verdict(v).startswith(
         "At 4× off-policy (grpo), **no difference shown at this scale**: no mode's reward drop, grad-norm peak "
-        "or entropy lost differs from another's beyond the spread of 2 seeds per mode. The closest difference, "
+        "or entropy collapse differs from another's beyond the spread of 2 seeds per mode. The closest difference, "
         "reward drop none 0.05 ± 0.07 vs r3 0.10 ± 0.07, would take about 17 seeds per mode to resolve at this spread."
     )
 
@@ -108,7 +109,7 @@ def test_a_missing_metric_is_shown_missing_and_never_counts_as_best(tmp_path):
     assert "none 1.0e-04 ± 0.0e+00; r3 missing." in text
     assert "r3 – → –" in text
     side = (tmp_path / "report.md").read_text().split("## Every combination side by side")[1]
-    assert "| grpo 4× r3 | 2 | – → – | missing | 1.0× ± 0.0× (0 of 2) | 0% ± 0% (0 of 2) | missing | 97.0% |" in side
+    assert "| grpo 4× r3 | 2 | – → – | missing | 1.0× ± 0.0× (0 of 2) | 0 of 2 | 100% ± 0% | missing | 97.0% |" in side
 
 
 def test_the_lowest_mismatch_kl_does_not_make_a_collapsing_run_most_stable():
@@ -129,13 +130,21 @@ def test_the_lowest_mismatch_kl_does_not_make_a_collapsing_run_most_stable():
     [
         ({"drop": 0.3}, "reward drop r2 0.00 ± 0.00 vs none 0.30 ± 0.00"),
         ({"spike": 12.0}, "grad-norm peak r2 1.0× ± 0.0× vs none 12.0× ± 0.0×"),
-        ({"lost": 0.8}, "entropy lost r2 0% ± 0% vs none 80% ± 0%"),
+        ({"lost": 0.95}, "entropy collapse r2 0 of 2 vs none 2 of 2"),
     ],
 )
 def test_each_criterion_separates_the_modes_on_its_own(trouble, says):
     v = judged([*runs("none", trouble, trouble), *runs("r2", {}, {})])
     assert v.winner is not None and v.winner.combo.mode == "r2"
     assert says in verdict(v)
+
+
+def test_entropy_a_learning_policy_loses_is_no_collapse():
+    v = judged([*runs("none", {"lost": 0.6}, {"lost": 0.7}), *runs("r2", {}, {})])
+    assert v.winner is None
+    assert "entropy collapse none 0 of 2, r2 0 of 2 (entropy kept, last window over first: none 35% ± 7%, r2 100%" in (
+        verdict(v)
+    )
 
 
 def test_modes_apart_from_one_but_not_each_other_or_apart_both_ways_name_no_winner():
@@ -146,8 +155,7 @@ def test_modes_apart_from_one_but_not_each_other_or_apart_both_ways_name_no_winn
         "At 4× off-policy (grpo), **no difference shown at this scale**: r2 was more stable than none (reward drop "
         "r2 0.00 ± 0.00 vs none 0.40 ± 0.00); r3 was more stable than none (reward drop r3 0.00 ± 0.00 vs none "
         "0.40 ± 0.00); no mode was more stable than every other. The other differences are within the rule's "
-        "floors (reward drop 0.02, grad-norm peak 1.0×, entropy lost 5%) or missing on one side: more seeds would "
-        "not make them count."
+        "floors (reward drop 0.02, grad-norm peak 1.0×) or missing on one side: more seeds would not make one count."
     )
     both = judged([*runs("none", {"drop": 0.4}, {"drop": 0.4}), *runs("r3", {"spike": 20.0}, {"spike": 20.0})])
     assert both.winner is None

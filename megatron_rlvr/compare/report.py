@@ -186,12 +186,23 @@ def _value(m: vd.ModeNumbers, c: vd.Criterion) -> str:
     values = m.values[c.key]
     if not values:
         return "missing"
+    if c.counted:
+        return f"{m.flagged(c)} of {len(values)}"
     std = f" ± {c.show(statistics.stdev(values))}" if len(values) > 1 else ""
     return f"{c.show(statistics.fmean(values))}{std}"
 
 
 def _flagged(m: vd.ModeNumbers, c: vd.Criterion) -> str:
-    return f"{_value(m, c)} ({m.flagged(c)} of {len(m.values[c.key])})" if m.values[c.key] else "missing"
+    if c.counted or not m.values[c.key]:
+        return _value(m, c)
+    return f"{_value(m, c)} ({m.flagged(c)} of {len(m.values[c.key])})"
+
+
+def _share(values: list[float]) -> str:
+    if not values:
+        return "missing"
+    std = f" ± {statistics.stdev(values):.0%}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values):.0%}{std}"
 
 
 def _versus(a: vd.ModeNumbers, b: vd.ModeNumbers, c: vd.Criterion) -> str:
@@ -231,11 +242,9 @@ def _comparisons(v: vd.Verdict) -> str:
         text = f"no mode's {r}, {g} or {e} differs from another's beyond the spread of {_seeds(v.modes)}"
     closest = v.closest()
     if closest is None:
-        floors = ", ".join(f"{c.label} {c.show(c.floor)}" for c in vd.CRITERIA)
-        return (
-            f"{text}. The other differences are within the rule's floors ({floors}) or missing on one side: "
-            "more seeds would not make them count."
-        )
+        floors = ", ".join(f"{c.label} {c.show(c.floor)}" for c in vd.CRITERIA if not c.counted)
+        rest = "The other differences are" if said else "Every difference is"
+        return f"{text}. {rest} within the rule's floors ({floors}) or missing on one side: more seeds would not make one count."
     pair, c = closest
     seeds = pair.gaps[c.key].seeds or 0
     needed = f"more than {vd.MAX_SEEDS:,}" if seeds > vd.MAX_SEEDS else f"about {seeds}"
@@ -274,7 +283,9 @@ def verdict(v: vd.Verdict) -> str:
                 f"{crit.label} " + ", ".join(f"{m.combo.mode} {_flagged(m, crit)}" for m in v.modes)
                 for crit in vd.CRITERIA
             )
-            + "."
+            + " (entropy kept, last window over first: "
+            + ", ".join(f"{m.combo.mode} {_share(m.entropy_left)}" for m in v.modes)
+            + ")."
         )
     text += (
         f" Reward, first → last {v.window}-step window: "
@@ -302,6 +313,7 @@ def side_by_side(modes: list[vd.ModeNumbers]) -> tuple:
             str(m.seeds),
             f"{seeds_pm(m.reward_first)} → {seeds_pm(m.reward_last)}",
             *[_flagged(m, c) for c in vd.CRITERIA],
+            _share(m.entropy_left),
             _kl(m.mismatch_last),
             _pct(m.natural_agreement),
         ]
@@ -311,7 +323,8 @@ def side_by_side(modes: list[vd.ModeNumbers]) -> tuple:
         "combination",
         "seeds",
         "reward, first → last window",
-        *[f"{c.label} (runs with a {c.flag})" for c in vd.CRITERIA],
+        *[f"{c.label} (runs)" if c.counted else f"{c.label} (runs with a {c.flag})" for c in vd.CRITERIA],
+        "entropy kept, last window over first",
         "mismatch KL, last window (not ranked)",
         "routing agreement with engine",
     ]
@@ -325,15 +338,15 @@ def rule(steps: int) -> str:
         "Rule: stability is judged by what routing replay does not lower by construction: the reward drop "
         f"(the best window's mean reward minus the last window's; a collapse above {r.show(r.limit)}), the "
         "grad-norm peak (the largest grad norm after the first window over the run's median; a spike above "
-        f"{g.show(g.limit)}) and the entropy lost (the share of the first window's policy entropy gone by the "
-        f"last; a collapse above {e.show(e.limit)}). A mode is more stable than another when one of these, "
-        "averaged over seeds, is lower by more than its floor "
-        f"({r.show(r.floor)}, {g.show(g.floor)}, {e.show(e.floor)}) and more than Student's t (95%) times the "
+        f"{g.show(g.limit)}) and entropy collapse (the last window keeping less than {vd.ENTROPY_KEPT:.0%} of "
+        "the first window's policy entropy; a policy that learns loses entropy, so only a collapse counts). "
+        "A mode is more stable than another when one of these, averaged over seeds, is lower by more than "
+        f"its floor ({r.show(r.floor)}, {g.show(g.floor)}) and by more than Student's t (95%) times the "
         "standard error of the difference, and none is higher by as much; the most stable mode is more "
         "stable than every other. That takes two seeds per mode at least (--seeds). The mismatch KL (k3 "
         "estimate of KL(rollout ‖ learner)) is shown beside them and ranks nothing: R3 lowers it by "
         f"construction. Windows here are {window} steps (a fifth of the run, {an.MIN_WINDOW} at least; a "
-        f"run shorter than two windows is not judged); a metric a run did not log is shown as missing."
+        "run shorter than two windows is not judged); a metric a run did not log is shown as missing."
     )
 
 

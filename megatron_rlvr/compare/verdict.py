@@ -9,8 +9,9 @@ run where lower is more stable:
     above COLLAPSE);
   - grad-norm peak: the largest grad norm after the first window over the run's median (the
     first steps from random weights are atypical everywhere; a spike above SPIKE);
-  - entropy lost: the share of the first window's policy entropy gone by the last window (an
-    entropy collapse above ENTROPY_COLLAPSE).
+  - entropy collapse: 1 for a run whose last window keeps less than ENTROPY_KEPT of the first
+    window's policy entropy, else 0 (a policy that learns loses entropy: only a collapse counts;
+    the share kept is shown beside it).
 The train/inference mismatch KL is reported beside them and never ranks: R3 lowers it by
 construction (the learner routes as the engine did), so ranking by it names R3 whatever happened
 to training. A metric a run did not log is missing, never zero.
@@ -36,7 +37,7 @@ from megatron_rlvr.compare.analysis import ENGINE_AGREEMENT, MISMATCH, Combo, Ru
 
 COLLAPSE = 0.1
 SPIKE = 5.0
-ENTROPY_COLLAPSE = 0.5
+ENTROPY_KEPT = 0.1
 MAX_SEEDS = 10_000  # the largest number of seeds an estimate names
 
 
@@ -48,6 +49,7 @@ class Criterion:
     limit: float  # a run above it is flagged
     flag: str  # what a flagged run had
     form: str  # how a value is written
+    counted: bool = False  # each run's value is 1 (flagged) or 0, shown as a count of runs
 
     def show(self, value: float) -> str:
         return self.form.format(value)
@@ -55,8 +57,9 @@ class Criterion:
 
 REWARD_DROP = Criterion("reward_drop", "reward drop", 0.02, COLLAPSE, "reward collapse", "{:.2f}")
 GRAD_PEAK = Criterion("grad_peak", "grad-norm peak", 1.0, SPIKE, "grad-norm spike", "{:.1f}×")
-ENTROPY_LOST = Criterion("entropy_lost", "entropy lost", 0.05, ENTROPY_COLLAPSE, "entropy collapse", "{:.0%}")
-CRITERIA = (REWARD_DROP, GRAD_PEAK, ENTROPY_LOST)
+ENTROPY_COLLAPSE = Criterion("entropy_collapse", "entropy collapse", 0.0, 0.5, "entropy collapse", "{:.0%}", True)
+CRITERIA = (REWARD_DROP, GRAD_PEAK, ENTROPY_COLLAPSE)
+ENTROPY_LEFT = "entropy_left"  # the share of the first window's entropy the last window kept (shown)
 
 # two-sided 95%: Student's t at 1..30 degrees of freedom, then at 40, 60 and 120
 _T_SMALL: tuple[float, ...] = (
@@ -93,17 +96,18 @@ def judgeable(steps: int) -> bool:
 
 # ----------------------------------------------------------------------------- one run
 def run_numbers(rows: list[dict], window: int) -> dict[str, float | None]:
-    """The three numbers of one run; None where it did not log the metric, or logged fewer
-    than two windows of it."""
+    """The three numbers of one run and the entropy it kept; None where it did not log the
+    metric, or logged fewer than two windows of it."""
     rewards, grads, entropy = (series(rows, key) for key in ("reward/mean", "train/grad_norm", "train/entropy"))
-    out: dict[str, float | None] = {c.key: None for c in CRITERIA}
+    out: dict[str, float | None] = {c.key: None for c in CRITERIA} | {ENTROPY_LEFT: None}
     if len(rewards) >= 2 * window:
         windows = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
         out[REWARD_DROP.key] = max(windows) - windows[-1]
     if len(grads) >= 2 * window and statistics.median(grads) > 0:
         out[GRAD_PEAK.key] = max(grads[window:]) / statistics.median(grads)
     if len(entropy) >= 2 * window and statistics.fmean(entropy[:window]) > 0:
-        out[ENTROPY_LOST.key] = max(0.0, 1 - statistics.fmean(entropy[-window:]) / statistics.fmean(entropy[:window]))
+        left = statistics.fmean(entropy[-window:]) / statistics.fmean(entropy[:window])
+        out[ENTROPY_LEFT], out[ENTROPY_COLLAPSE.key] = left, float(left < ENTROPY_KEPT)
     return out
 
 
@@ -121,6 +125,7 @@ class ModeNumbers:
     combo: Combo
     seeds: int
     values: dict[str, list[float]]
+    entropy_left: list[float]
     reward_first: list[float]
     reward_last: list[float]
     mismatch_last: list[float]  # reported, never ranked
@@ -145,6 +150,7 @@ def mode_numbers(runs: list[RunResult], window: int) -> ModeNumbers:
         combo=runs[0].combo,
         seeds=len(runs),
         values={c.key: [v for n in numbers if (v := n[c.key]) is not None] for c in CRITERIA},
+        entropy_left=[v for n in numbers if (v := n[ENTROPY_LEFT]) is not None],
         reward_first=[statistics.fmean(s[:window]) for s in rewards if s],
         reward_last=[statistics.fmean(s[-window:]) for s in rewards if s],
         mismatch_last=[statistics.fmean(s[-window:]) for s in mismatch if s],
