@@ -99,7 +99,7 @@ def run_numbers(rows: list[dict], window: int) -> dict[str, float | None]:
     """The three numbers of one run and the entropy it kept; None where it did not log the
     metric, or logged fewer than two windows of it."""
     rewards, grads, entropy = (series(rows, key) for key in ("reward/mean", "train/grad_norm", "train/entropy"))
-    out: dict[str, float | None] = {c.key: None for c in CRITERIA} | {ENTROPY_LEFT: None}
+    out: dict[str, float | None] = dict.fromkeys([*(c.key for c in CRITERIA), ENTROPY_LEFT])
     if len(rewards) >= 2 * window:
         windows = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
         out[REWARD_DROP.key] = max(windows) - windows[-1]
