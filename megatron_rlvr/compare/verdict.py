@@ -1,7 +1,7 @@
 """The stability verdict of a comparison: each run's stability numbers, and which replay mode,
 if any, was more stable than another beyond the spread between seeds. Plain Python, no torch.
-`compare-replay`'s report and the benchmarks that build on it (benchmarks/compare_replay_long.py)
-use this one rule.
+`compare-replay`'s report and the benchmarks that build on it (benchmarks/compare_replay_long.py,
+benchmarks/off_policy.py) use this one rule.
 
 Stability is judged by what routing replay does not lower by construction, each a number per
 run where lower is more stable:
@@ -18,7 +18,7 @@ to training. A metric a run did not log is missing, never zero.
 
 Windows are a fifth of the run and analysis.MIN_WINDOW steps at least; a run shorter than two windows
 cannot be judged. Mode A is more stable than mode B when, on at least one of the three numbers,
-A's mean over seeds is below B's by more than both that number's floor (FLOORS) and t × the
+A's mean over seeds is below B's by more than both that number's floor (Criterion.floor) and t × the
 standard error of the difference (t: Student's 97.5% point at n_A + n_B − 2 degrees of
 freedom), and on none is B's below A's by as much. That takes two seeds per mode at least: with
 one, the spread between seeds is unknown. The most stable mode is the one more stable than
