@@ -1,6 +1,6 @@
 """`megatron-rlvr compare-replay`: the same training run under several routing-replay modes,
-algorithms, off-policy degrees and algo settings (--vary), side by side, with a report of which
-one kept training stable and why.
+algorithms, off-policy degrees and algo settings (--vary), side by side, with a report of whether
+one kept training more stable than the others beyond the spread between seeds (compare/verdict.py).
 
     megatron-rlvr compare-replay CONFIG [key=value ...] --modes none,r2,r3 [--algos grpo,gspo]
         [--off-policy 1,2,4] [--vary algo.KEY=V1,V2 ...] [--steps N] [--seeds K] [--out DIR]
@@ -55,7 +55,8 @@ def _positive(text: str) -> int:
 
 def add_parser(sub) -> None:
     cmd = sub.add_parser(
-        "compare-replay", help="run routing-replay modes side by side and report which one keeps MoE training stable"
+        "compare-replay",
+        help="run routing-replay modes side by side and report whether one keeps MoE training more stable",
     )
     cmd.add_argument("config", help="YAML config, e.g. configs/compare-replay-cpu.yaml")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
@@ -77,7 +78,12 @@ def add_parser(sub) -> None:
         "algo.rollout_correction.rollout_is=token,sequence,null); repeat for every combination",
     )
     cmd.add_argument("--steps", type=_positive, help="steps per run; default: the config's trainer.steps")
-    cmd.add_argument("--seeds", type=_positive, default=1, help="seeds per combination (trainer.seed 0..K-1)")
+    cmd.add_argument(
+        "--seeds",
+        type=_positive,
+        default=1,
+        help="seeds per combination (trainer.seed 0..K-1); a verdict needs 2 at least",
+    )
     cmd.add_argument("--out", help="default: runs/compare-replay/<config name>")
     slurm = cmd.add_argument_group("Slurm (with --submit)")
     slurm.add_argument("--submit", action="store_true", help="one Slurm job per run instead of running here")
