@@ -349,7 +349,6 @@ class RayActors(Placement):
     def _options(self, role: Role, index: int) -> dict:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        engine = self.cfg.rollout.engine
         if role is Role.LEARNER_RANK and self._group is not None:
             # ranks take bundles node by node: Megatron puts tensor-, then expert-parallel
             # neighbours on consecutive ranks, which should share a node
@@ -367,7 +366,7 @@ class RayActors(Placement):
                 return {"max_concurrency": 2, **self.SLIVER}
             return {
                 "max_concurrency": 2,
-                "num_gpus": engine.tp,
+                "num_gpus": self._engine_group.bundle_specs[index]["GPU"],
                 **self.SLIVER,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     self._engine_group, placement_group_bundle_index=index
