@@ -189,8 +189,10 @@ class Run:
                 metrics = self.learners.sync_weights(self.version, restarted)
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
-                if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
+                lost = original(err)
+                if not isinstance(lost, EnginesLost) or attempt == SYNC_ATTEMPTS:
                     raise
+                self.rollout.run(self.manager.restart_engines(lost.restart))  # the dead, and survivors stuck
                 log.warning(
                     "%s; syncing version %d again (attempt %d of %d)",
                     original(err),

@@ -69,6 +69,7 @@ class ResolvedWeightSync(WeightSyncConfig):
     backend: Literal["gloo", "nccl"] = _filled(WeightSyncConfig, "backend")
     checksum: bool = _filled(WeightSyncConfig, "checksum")
     parity_tolerance: float | None = _filled(WeightSyncConfig, "parity_tolerance")
+    engine_wait_s: float = _filled(WeightSyncConfig, "engine_wait_s")
 
 
 class ResolvedFileSource(FileSource):
@@ -296,6 +297,11 @@ def _engine_python_problems(python: str, backend: str) -> list[str]:
     return []
 
 
+# what a restart adds to an engine's start before it loads: the run sees the engine dead
+# (EngineClient.state, a few 5 s questions) and the old process is stopped (launch/engines.py)
+RESTART_NOTICE_S = 60.0
+
+
 def resolve(cfg: Config) -> ResolvedConfig:
     """Fills every derived value (clip ranges per loss kind, etp, sequence parallel, routed
     expert capture), then runs the cross-section checks. Returns a new config."""
@@ -331,6 +337,8 @@ def resolve(cfg: Config) -> ResolvedConfig:
         sync.checksum = isinstance(engine, CpuEngine)
     if isinstance(engine, SglangEngine) and engine.python is not None and "/" in engine.python:
         engine.python = os.path.abspath(engine.python)  # not resolve(): a venv's python is a symlink
+    if sync.engine_wait_s is None:
+        sync.engine_wait_s = cfg.rollout.start_timeout_s + RESTART_NOTICE_S
     if sync.parity_tolerance == "auto":
         dtypes = {engine.dtype, cfg.trainer.dtype}
         sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)
