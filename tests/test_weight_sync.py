@@ -99,6 +99,8 @@ LAYOUTS = {
     "tp2-sp": (2, ["parallel.tp=2"]),
     "ep2": (2, ["parallel.ep=2"]),
     "pp2": (2, ["parallel.pp=2"]),
+    # the engines capture routing: the probe replays it in the learner (weight_sync/probe.py)
+    "world1-routed": (1, ["rollout.return_routed_experts=true"]),
 }
 
 
@@ -114,6 +116,7 @@ def test_after_a_sync_every_engine_tensor_equals_the_learners(layout, engines, t
     metrics = source["metrics"]
     assert metrics["weight_sync/buckets"] > 3  # small buckets: several, pipelined
     assert metrics["weight_sync/parity_max_gap"] <= 1e-5
+    assert metrics["weight_sync/parity_routing_replayed"] == float(layout == "world1-routed")
     assert len(set(source["versions"])) == 1
 
 

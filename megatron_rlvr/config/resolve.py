@@ -160,12 +160,14 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             "weight_sync.pause_mode = abort: rollout.updates = in_flight continues sequences across "
             "a sync, abort would end them (use in_place or retract)"
         )
-    elif r.updates == "in_flight" and a.routing_replay == "r3" and cfg.weight_sync.pause_mode != "in_place":
+    elif a.routing_replay == "r3" and cfg.weight_sync.pause_mode == "retract" and (straddle := _straddles(cfg)):
+        # a sync lands while sequences are generating: retract re-prefills them under the new
+        # weights, and the engine then reports the new weights' routing for their earlier tokens
         problems.append(
-            f"weight_sync.pause_mode = {cfg.weight_sync.pause_mode}: with rollout.updates = in_flight and "
-            "algo.routing_replay = r3 the pause must be in_place; a retracted sequence is routed again "
-            "under the new weights, so the routing replayed for its earlier tokens would not be the one "
-            "that produced them"
+            f"weight_sync.pause_mode = retract: with {straddle} and algo.routing_replay = r3 the pause must be "
+            + ("in_place" if r.updates == "in_flight" else "in_place (or abort, which ends them)")
+            + "; a retracted sequence is routed again under the new weights, so the routing "
+            "replayed for its earlier tokens would not be the one that produced them"
         )
     if a.clip_ratio_c is not None and a.kind != "grpo":
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
@@ -203,6 +205,16 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
     if cfg.trainer.min_lr > cfg.trainer.lr:
         problems.append(f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})")
     return problems
+
+
+def _straddles(cfg: Config) -> str | None:
+    """The setting under which sequences are generating while a weight sync lands (None:
+    the engines are drained before every sync)."""
+    if cfg.rollout.updates == "in_flight":
+        return "rollout.updates = in_flight"
+    if cfg.buffer.async_rollout:
+        return "buffer.async_rollout = true"
+    return None
 
 
 def _engine_problems(cfg: Config) -> list[str]:

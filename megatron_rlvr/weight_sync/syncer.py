@@ -338,6 +338,8 @@ class WeightSyncer:
                 states = await asyncio.gather(*(c.state() for c, _ in refused))
                 answered = [(c, e) for (c, e), state in zip(refused, states) if state is not EngineState.DOWN]
                 if answered:  # paused for this sync, or serving: a refusal, not a death
+                    # the others posted their side: dropping the group ends their wait (gloo)
+                    self.group = None
                     client, err = answered[0]
                     raise WeightSyncError(
                         f"engine {client.base_url} refused {what} before its broadcast was posted: {err}"
