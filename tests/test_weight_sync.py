@@ -133,6 +133,31 @@ def test_corrupted_bucket_and_skipped_version_are_detected(engines, tiny_hf_dir,
     assert "skipped or repeated an update" in r["skipped_error"]
 
 
+def test_a_paused_cpu_engine_answers_health_as_sglang_does(engines):
+    """Paused for a sync, the CPU engine's /health waits for the resume as SGLang's one-token
+    generation does (no answer within a client's timeout), /ready says 503 and /ping 200, so
+    EngineClient.state reads it as paused, not dead (test_sync_faults_sglang.py: SGLang)."""
+    from megatron_rlvr.rollout.client import EngineState
+
+    async def paused_answers():
+        client = EngineClient(engines[0].url)
+        try:
+            await client.pause("retract")
+            try:
+                with pytest.raises(httpx.TimeoutException):
+                    await client._http.get("/health", timeout=2.0)
+                flags = [(await client._http.get(path)).status_code for path in ("/ready", "/ping")]
+                state = await client.state()
+            finally:
+                await client.resume()
+            return flags, state, await client.state()
+        finally:
+            await client.close()
+
+    flags, paused, resumed = asyncio.run(paused_answers())
+    assert flags == [503, 200] and paused is EngineState.PAUSED and resumed is EngineState.SERVING
+
+
 def test_an_engine_that_refuses_a_bucket_is_caught_before_the_broadcast(engines, tiny_hf_dir):
     """The engine left the update group (it refuses at once: no such group): the sync stops
     within the refusal wait, naming the engine, without posting the broadcast it would never
