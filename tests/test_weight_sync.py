@@ -371,6 +371,63 @@ def test_an_engine_killed_mid_broadcast_is_restarted_and_the_same_version_synced
     assert stats["moved"] == 1 and stats.get("failed", 0) == 0
 
 
+def test_a_survivor_that_cannot_close_its_session_is_named_for_restart_and_kept_out(engines, tiny_hf_dir, tmp_path):
+    """Engine B dies as bucket 2 is announced; survivor A never answers the session's close,
+    as an SGLang survivor inside a lost NCCL broadcast would not (NCCL only: its scheduler
+    waits for the group's 30-minute timeout; stood in for here by a close that never returns).
+    EnginesLost names both for restart, and the next sync keeps A out of the group until the
+    run says it restarted A: it finds no engine to sync."""
+    import signal
+
+    from safetensors.torch import load_file
+
+    from megatron_rlvr.weight_sync.syncer import EnginesLost
+
+    dying = start_engine(tiny_hf_dir, tmp_path)
+    weights = list(load_file(str(tiny_hf_dir / "model.safetensors")).items())
+    announced = []
+
+    class StuckSurvivor(EngineClient):
+        async def update_weights_from_distributed(self, request):
+            announced.append(request.names[0])
+            if len(announced) == 3 and dying.alive:
+                dying.proc.send_signal(signal.SIGKILL)
+                await asyncio.to_thread(dying.proc.wait, 30)
+            return await super().update_weights_from_distributed(request)
+
+        async def end_weight_update(self):
+            await asyncio.sleep(3600)
+
+    async def scenario():
+        clients = [StuckSurvivor(engines[0].url), EngineClient(dying.url)]
+        syncer = WeightSyncer(
+            clients, WeightSyncConfig(bucket_mb=0.05, engine_wait_s=1), group_name="stuck_survivor", session_close_s=2
+        )
+        try:
+            await syncer.connect()
+            version = syncer.version + 1
+            with pytest.raises(EnginesLost) as lost:
+                await syncer.sync(weights, version)
+            with pytest.raises(WeightSyncError) as none_left:
+                await syncer.sync(weights, version)
+            return lost.value, str(none_left.value), set(syncer.stuck)
+        finally:
+            # whatever session is left open (a restart would have cleared it)
+            await asyncio.gather(EngineClient.end_weight_update(clients[0]), return_exceptions=True)
+            await clients[0].resume()
+            await syncer.close()
+            for client in clients:
+                await client.close()
+
+    try:
+        lost, none_left, stuck = asyncio.run(scenario())
+    finally:
+        dying.stop()
+    assert lost.restart == (1, 0) and stuck == {0}
+    assert f"engine {engines[0].url} did not close its update session within 2 s" in str(lost)
+    assert "no engine is alive to receive weights" in none_left
+
+
 STUCK_SYNC = """
 import asyncio, sys
 import torch

@@ -27,7 +27,7 @@ Dead is judged by EngineClient.state, which tells a paused engine (every member,
 sync) from a dead one: SGLang's /health generates a token, which waits while paused. A
 survivor that does not answer the session's close within SESSION_CLOSE_S is still inside
 the broadcast that lost its peer (NCCL: until its group's timeout, 30 minutes in SGLang
-0.5.23): EnginesLost names it in `restart`, with the dead, and it stays out of the group
+0.5.23; gloo survivors leave once the group is dropped): EnginesLost names it in `restart`, with the dead, and it stays out of the group
 until the run says it restarted it.
 """
 
@@ -102,10 +102,12 @@ class WeightSyncer:
         group_name: str = "weight_update_group",
         initial_version: int | None = None,
         checksums: bool | None = None,
+        session_close_s: float = SESSION_CLOSE_S,
     ):
         """engine_ranks: the ranks each engine brings to the update group (its tp size; see
         transport.engine_rank_count); None: one each. checksums: send per-bucket checksums (a
-        CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum."""
+        CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum.
+        session_close_s: how long survivors of a lost sync get to close their session."""
         if engine_ranks is not None and len(engine_ranks) != len(clients):
             raise ValueError(f"{len(engine_ranks)} engine rank counts for {len(clients)} engines")
         self.clients = clients
@@ -126,6 +128,7 @@ class WeightSyncer:
         # how long a sync waits for any engine to answer when none does (every one restarting)
         self.engine_wait_s = cfg.engine_wait_s if cfg.engine_wait_s is not None else UNRESOLVED_ENGINE_WAIT_S
         self.stuck: set[int] = set()  # left inside a lost broadcast: out until restarted
+        self.session_close_s = session_close_s
 
     @property
     def member_clients(self) -> list[EngineClient]:
@@ -277,7 +280,7 @@ class WeightSyncer:
             self.stuck |= set(silent)
             raise EnginesLost(
                 f"{lost}; engine {', '.join(self.clients[i].base_url for i in silent)} did not close its "
-                f"update session within {SESSION_CLOSE_S:.0f} s (still inside the lost broadcast): restart it too",
+                f"update session within {self.session_close_s:.0f} s (still inside the lost broadcast): restart it too",
                 (*lost.restart, *silent),
             ) from lost
         except BaseException:
@@ -335,11 +338,10 @@ class WeightSyncer:
             if refused:
                 for task in announced:
                     task.cancel()
+                self.group = None  # the others posted their side: dropping the group ends their wait (gloo)
                 states = await asyncio.gather(*(c.state() for c, _ in refused))
                 answered = [(c, e) for (c, e), state in zip(refused, states) if state is not EngineState.DOWN]
                 if answered:  # paused for this sync, or serving: a refusal, not a death
-                    # the others posted their side: dropping the group ends their wait (gloo)
-                    self.group = None
                     client, err = answered[0]
                     raise WeightSyncError(
                         f"engine {client.base_url} refused {what} before its broadcast was posted: {err}"
@@ -413,25 +415,26 @@ class WeightSyncer:
     async def _recover(self, *, resume: bool = True, skip: tuple[int, ...] = ()) -> list[int]:
         """After a failed sync, best effort: close the update session (SGLang refuses to open
         a new one while one is open) and resume generation unless told not to, each bounded
-        by SESSION_CLOSE_S. Returns the members (not in `skip`: the dead) that did not answer
+        by session_close_s. Returns the members (not in `skip`: the dead) that did not answer
         the close: still waiting inside a broadcast."""
         members = [i for i in self.members if i not in skip]
         silent: list[int] = []
         steps = [lambda c: c.end_weight_update()] + ([lambda c: c.resume()] if resume else [])
         for step in steps:
-            tasks = [asyncio.create_task(step(self.clients[i])) for i in members if i not in silent]
-            if not tasks:
+            asking = [i for i in members if i not in silent]
+            if not asking:
                 break
-            _, pending = await asyncio.wait(tasks, timeout=SESSION_CLOSE_S)
+            tasks = [asyncio.create_task(step(self.clients[i])) for i in asking]
+            _, pending = await asyncio.wait(tasks, timeout=self.session_close_s)
             for task in pending:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
-            late = [i for i, task in zip([i for i in members if i not in silent], tasks) if task in pending]
+            late = [i for i, task in zip(asking, tasks) if task in pending]
             if late:
                 log.warning(
                     "engine %s did not answer within %.0f s after a failed sync",
                     ", ".join(self.clients[i].base_url for i in late),
-                    SESSION_CLOSE_S,
+                    self.session_close_s,
                 )
             silent += late
         return silent
