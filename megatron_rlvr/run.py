@@ -130,6 +130,7 @@ class Run:
     _rollout_snapshot: dict | None = None  # the rollout side as it was when finished_step ended
     pending: concurrent.futures.Future | None = None  # the next batch, being generated (or ready)
     teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
+    parity_failure: Exception | None = None  # a failed post-sync probe, raised once the step is saved
 
     @functools.cached_property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -171,10 +172,13 @@ class Run:
             return {}
         return self.stop.result(self.rollout.submit(self.evaluator.evaluate()), f"the evaluation after step {step}")
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self, *, defer_parity: bool = False) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
-        restarted since the last sync get them too and take work again."""
-        from megatron_rlvr.weight_sync.syncer import EnginesLost  # torch: imported where used
+        restarted since the last sync get them too and take work again. A failed parity probe
+        raises at once, or (defer_parity: a step just trained) is kept for raise_parity_failure
+        after the step's metrics and checkpoint."""
+        from megatron_rlvr.weight_sync.probe import ParityError  # torch: imported where used
+        from megatron_rlvr.weight_sync.syncer import EnginesLost
 
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             # a first stop request lets the trained step finish (sync, metrics, checkpoint state)
@@ -193,8 +197,13 @@ class Run:
                     self.rollout.run(self.manager.resume_clocks(resumed))
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
-                if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
+                lost = original(err)
+                if isinstance(lost, ParityError):  # the engines hold the version: the sync is done
+                    self.parity_failure, metrics = lost, lost.metrics
+                    break
+                if not isinstance(lost, EnginesLost) or attempt == SYNC_ATTEMPTS:
                     raise
+                self.rollout.run(self.manager.restart_engines(lost.restart))  # the dead, and survivors stuck
                 log.warning(
                     "%s; syncing version %d again (attempt %d of %d)",
                     original(err),
@@ -205,7 +214,16 @@ class Run:
         self.stop.result(
             self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin", urgent_only=True
         )
+        if not defer_parity:
+            self.raise_parity_failure()
         return metrics
+
+    def raise_parity_failure(self) -> None:
+        """Raises a failed parity probe, saying where the last finished step's checkpoint is
+        (saved now if it is not on disk) and how to go on."""
+        if self.parity_failure is not None:
+            failure, self.parity_failure = self.parity_failure, None
+            raise type(failure)(f"{failure}; {self.save_last()}")
 
     def finish_step(self, step: int, *, save: bool) -> None:
         """Records the rollout side as it is at the end of `step` (what a checkpoint of this

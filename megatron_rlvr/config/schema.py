@@ -395,6 +395,13 @@ class WeightSyncConfig(Section):
         description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
         "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
     )
+    engine_wait_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="how long a sync waits for an engine to answer when none does (every one "
+        "restarting, loading the model); None: rollout.start_timeout_s + 60 (a restart is a "
+        "start, and the restart is noticed first)",
+    )
     refusal_wait_s: float = Field(
         0.5,
         ge=0.0,

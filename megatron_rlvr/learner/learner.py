@@ -240,6 +240,15 @@ class Learner:
             )
         return ReplayRouting(self.replay, "recorded")
 
+    def _probe_hooks(self, batch: TrainBatch):
+        """Outside the old-logprob pass (the parity probe): the engine's routing replayed when
+        the batch carries it, so a comparison with the engine is free of routing flips."""
+        if batch.routed_experts is None:
+            return None
+        assert self.replay is not None, "routers are driven whenever the engines capture routing"
+        self._check_routed_experts(batch)
+        return ReplayRouting(self.replay, "engine")
+
     def _check_routed_experts(self, batch: TrainBatch) -> None:
         hf = self.bridge.hf_config
         expected = (batch.size, batch.input_ids.shape[1], hf.num_hidden_layers, hf.num_experts_per_tok)
@@ -258,7 +267,8 @@ class Learner:
         """Per-token logprobs [B, T] of the batch under the current weights, on every rank.
         The old-logprob pass (default) partitions the batch like the train step and, under R2,
         records the routing, under R3 replays the engine's. Otherwise (e.g. the parity probe)
-        the routing is the model's own and the batch may have any size."""
+        the batch may have any size and the routing is the engine's when the batch carries
+        it, else the model's own."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
@@ -271,12 +281,14 @@ class Learner:
         t = self.cfg.trainer
         per_rank = self._rows_per_rank(batch.size, num_minibatches)
         micro = self._micro_batches(batch, per_rank, t.max_tokens_per_logprob_microbatch or t.max_tokens_per_microbatch)
-        hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else None
+        hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else self._probe_hooks(batch)
         per_micro = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
         if self.replay is not None and old_logprob_pass:
             self.replay.clear()
             self.replay.stop_measuring()
             self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
+        elif self.replay is not None and hooks is not None:
+            self.replay.clear()
         mine = torch.cat(per_rank[mpu.get_data_parallel_rank()])
         width = batch.padded_to(self._seq_multiple).input_ids.shape[1]
         device = rank_device()  # the collectives' tensors live on the groups' device
