@@ -266,7 +266,8 @@ def test_a_group_of_one_mode_says_so_and_sits_side_by_side_with_the_others(tmp_p
 
 # ----------------------------------------------------------------------------- Slurm
 def _fake_slurm(tmp_path: Path, state: str) -> Path:
-    """sbatch that numbers its jobs; scontrol that reports every job in `state`."""
+    """sbatch that numbers its jobs; scontrol that reports every job in `state` (UNKNOWN: it
+    knows no job, as after MinJobAge without accounting)."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir(exist_ok=True)
     counter = tmp_path / "jobs"
@@ -274,16 +275,103 @@ def _fake_slurm(tmp_path: Path, state: str) -> Path:
         f"#!/bin/bash\ncat > /dev/null\nn=$(( $(cat {counter} 2>/dev/null || echo 0) + 1 ))\n"
         f'echo $n > {counter}\necho "$n;cluster"\n'
     )
-    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "JobId=$4 JobState={state} Reason=None ExitCode=0:0"\n')
+    asked = tmp_path / "scontrol-calls"
+    answer = (
+        'echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1'
+        if state == "UNKNOWN"
+        else f'echo "JobId=$4 JobState={state} Reason=None ExitCode=0:0"'
+    )
+    (bin_dir / "scontrol").write_text(f"#!/bin/bash\necho $4 >> {asked}\n{answer}\n")
     for tool in ("sbatch", "scontrol"):
         (bin_dir / tool).chmod(stat.S_IRWXU)
     return bin_dir
 
 
+def _slurm_env(tmp_path: Path, state: str) -> dict:
+    return dict(os.environ, PATH=os.pathsep.join([str(_fake_slurm(tmp_path, state)), "/usr/bin", "/bin"]))
+
+
+def _compare_in(env: dict, *args) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "megatron_rlvr.cli", "compare-replay", *map(str, args)]
+    return subprocess.run(command, cwd=REPO, capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_submit_takes_submits_job_options_and_needs_the_gpu_count(tmp_path):
+    out = tmp_path / "out"
+    base = [PRESET, "--modes", "none", "--steps", "3", "--out", out, "--submit"]
+    refused = _compare_in(_slurm_env(tmp_path, "RUNNING"), *base)
+    assert refused.returncode == 2 and "needs --gpus-per-node" in refused.stderr, refused.stderr
+    assert not (tmp_path / "jobs").exists()  # nothing submitted
+    options = ["--gpus-per-node", "0", "--iface", "ib0", "--container", "apptainer exec img.sif"]
+    options += ["--sbatch-option=--qos=high", "--bin-dir", "/opt/rlvr/bin", "--stop-grace-s", "700"]
+    done = _compare_in(_slurm_env(tmp_path, "RUNNING"), *base, *options)
+    assert done.returncode == 0, done.stderr
+    script = (out / "runs" / "grpo-k1-none-s0" / "job.sbatch").read_text()
+    for line in (
+        "export RLVR_IFACE=ib0",
+        "CONTAINER=(apptainer exec img.sif)",
+        "#SBATCH --qos=high",
+        "BIN=/opt/rlvr/bin",
+        "#SBATCH --signal=B:TERM@700",
+    ):
+        assert line in script, line
+
+
+def test_an_unknown_job_is_asked_again_and_never_submitted_twice(tmp_path):
+    out = tmp_path / "out"
+    args = [PRESET, "--modes", "none", "--steps", "3", "--out", out, "--submit", "--gpus-per-node", "0"]
+    assert _compare_in(_slurm_env(tmp_path, "RUNNING"), *args).returncode == 0
+    again = _compare_in(_slurm_env(tmp_path, "UNKNOWN"), *args)
+    assert again.returncode == 0, again.stderr
+    assert "neither scontrol nor sacct knows it after 3 tries; not submitted again" in again.stdout
+    assert (tmp_path / "jobs").read_text().strip() == "1"  # still the one job
+    assert (tmp_path / "scontrol-calls").read_text().split() == ["1"] * 3  # asked 3 times, then left alone
+    assert "1 of 1 runs queued or running" in again.stdout
+
+
+def test_a_run_that_ends_early_with_its_reason_is_finished_and_reported(tmp_path):
+    """train ends a run whose every prompt is always or never solved early, exit 0: the job
+    COMPLETED short of its steps is that run's end, with train's reason, not a failure to
+    submit again on every invocation."""
+    out = tmp_path / "out"
+    args = [PRESET, "--modes", "none", "--steps", "6", "--out", out, "--submit", "--gpus-per-node", "0"]
+    assert _compare_in(_slurm_env(tmp_path, "RUNNING"), *args).returncode == 0
+    run = out / "runs" / "grpo-k1-none-s0"
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows(4, mismatch=lambda s: 1e-5)))
+    reason = "no prompt has anything left to teach: every group was all right or all wrong. checkpoint of step 4"
+    (run / "slurm" / "1").mkdir(parents=True)
+    (run / "slurm" / "1" / "driver.log").write_text(f"train: 4/6 steps\nmegatron-rlvr train: {reason}\n")
+    done = _compare_in(_slurm_env(tmp_path, "COMPLETED"), *args)
+    assert done.returncode == 0, done.stderr
+    assert f"job 1 completed at step 4 of 6: {reason}" in done.stdout
+    assert (tmp_path / "jobs").read_text().strip() == "1"  # not submitted again
+    assert json.loads((run / "DONE").read_text())["ended_early"] == reason
+    assert f"ended at step 4 of 6: {reason}" in (out / "report.md").read_text()
+    # a job that COMPLETED short of its steps without saying why is submitted again
+    (run / "DONE").unlink()
+    (run / "slurm" / "1" / "driver.log").write_text("train: 4/6 steps\n")
+    again = _compare_in(_slurm_env(tmp_path, "COMPLETED"), *args)
+    assert "ended COMPLETED with 4 of 6 steps logged; submitting again" in again.stdout
+    assert (tmp_path / "jobs").read_text().strip() == "2"
+
+
+def test_one_comparison_at_a_time_in_an_out_folder(tmp_path):
+    from megatron_rlvr.compare.plan import run_lock
+
+    out = tmp_path / "out"
+    args = [PRESET, "--modes", "none", "--steps", "3", "--out", out, "--submit", "--gpus-per-node", "0"]
+    with run_lock(out):
+        busy = _compare_in(_slurm_env(tmp_path, "RUNNING"), *args)
+    assert busy.returncode == 2, busy.stderr
+    assert f"--out {out} is in use by another compare-replay (pid {os.getpid()}" in busy.stderr
+    assert not (tmp_path / "jobs").exists() and not (out / "runs").exists()
+    assert _compare_in(_slurm_env(tmp_path, "RUNNING"), *args).returncode == 0  # released
+
+
 def test_submit_makes_one_job_per_run_and_collects_them_when_completed(tmp_path):
     out = tmp_path / "out"
     args = [PRESET, "--modes", "none,r3", "--vary", "algo.advantage.baseline_type=group_mean,rloo"]
-    args += ["--steps", "3", "--out", out, "--submit"]
+    args += ["--steps", "3", "--out", out, "--submit", "--gpus-per-node", "0"]
     names = [f"grpo-k1-advantage.baseline_type={b}-{m}-s0" for b in ("group_mean", "rloo") for m in ("none", "r3")]
 
     def env(state: str) -> dict:

@@ -311,59 +311,51 @@ def follow(job_id: str, timeline: Path, out=None, poll_s: float = 0.5) -> int:
 
 
 # ----------------------------------------------------------------------------- the command
-def add_submit_parser(sub) -> None:
-    cmd = sub.add_parser("submit", help="run training on Slurm: a Ray cluster across the job's nodes")
-    cmd.add_argument("config", help="YAML config, e.g. configs/qwen3-30b-a3b-grpo-r3.yaml")
-    cmd.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
-    cmd.set_defaults(takes_overrides=True)
-    cmd.add_argument("--nodes", type=int, required=True, help="nodes N")
-    cmd.add_argument("--gpus-per-node", type=int, required=True, help="GPUs G per node (0: CPU nodes)")
-    cmd.add_argument("--partition", help="sbatch --partition")
-    cmd.add_argument("--time", help="sbatch --time, e.g. 24:00:00")
-    cmd.add_argument("--account", help="sbatch --account")
-    cmd.add_argument("--job-name", help="default: rlvr-<config name>")
-    cmd.add_argument(
+def add_job_options(group) -> None:
+    """The job options `submit` and `compare-replay --submit` share (an argparse parser or
+    argument group): where and how the job runs, whatever it trains."""
+    group.add_argument("--partition", help="sbatch --partition")
+    group.add_argument("--time", help="sbatch --time, e.g. 24:00:00")
+    group.add_argument("--account", help="sbatch --account")
+    group.add_argument(
         "--sbatch-option",
         action="append",
         default=[],
         metavar="OPT",
         help="another #SBATCH line: --sbatch-option=--qos=high (repeatable)",
     )
-    cmd.add_argument("--log-dir", help="where job logs go; default: <trainer.output_dir>/slurm")
-    cmd.add_argument(
+    group.add_argument(
         "--container",
         default="",
         metavar="PREFIX",
         help="prefix for every command on a node, e.g. 'apptainer exec --nv img.sif'",
     )
-    cmd.add_argument(
+    group.add_argument(
         "--bin-dir", help="directory with python, ray and megatron-rlvr on the nodes; default: this interpreter's"
     )
-    cmd.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
-    cmd.add_argument("--join-timeout-s", type=int, default=300, help="wait this long for every node")
-    cmd.add_argument(
+    group.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
+    group.add_argument(
+        "--join-timeout-s", type=int, default=300, help="wait this long for the Ray head and for every node"
+    )
+    group.add_argument(
         "--stop-grace-s",
         type=int,
         help="SIGTERM the run this long before --time runs out, so it saves and stops (default: a step "
         "plus the checkpoint's size at 1 GB/s, from the model's safetensors; 300 without them)",
     )
-    memory_plan.add_submit_flags(cmd)  # --gpu-memory, --link-gbps, --prompt-tokens, --no-memory-check
-    cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
-    cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
 
 
-def submit_command(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    resources = plan(cfg, args.nodes, args.gpus_per_node)
-    memory_plan.submit_check(cfg, args)  # per-GPU memory table on stderr; refuses a GPU over its memory
-    log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
+def job_spec(
+    args: argparse.Namespace, cfg: ResolvedConfig, config: Path, overrides: list[str], log_root: Path, job_name: str
+) -> JobSpec:
+    """The JobSpec of one job from the shared job options (add_job_options)."""
     spec = JobSpec(
-        config=Path(args.config).absolute(),
-        overrides=list(args.overrides),
+        config=config,
+        overrides=overrides,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         log_root=log_root,
-        job_name=args.job_name or f"rlvr-{Path(args.config).stem}",
+        job_name=job_name,
         partition=args.partition,
         time=args.time,
         account=args.account,
@@ -378,6 +370,37 @@ def submit_command(args: argparse.Namespace) -> int:
         spec.stop_grace_s, spec.stop_grace_reason = stop_grace(cfg)
     if args.bin_dir:
         spec.bin_dir = Path(args.bin_dir)
+    return spec
+
+
+def add_submit_parser(sub) -> None:
+    cmd = sub.add_parser("submit", help="run training on Slurm: a Ray cluster across the job's nodes")
+    cmd.add_argument("config", help="YAML config, e.g. configs/qwen3-30b-a3b-grpo-r3.yaml")
+    cmd.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    cmd.set_defaults(takes_overrides=True)
+    cmd.add_argument("--nodes", type=int, required=True, help="nodes N")
+    cmd.add_argument("--gpus-per-node", type=int, required=True, help="GPUs G per node (0: CPU nodes)")
+    add_job_options(cmd)
+    cmd.add_argument("--job-name", help="default: rlvr-<config name>")
+    cmd.add_argument("--log-dir", help="where job logs go; default: <trainer.output_dir>/slurm")
+    memory_plan.add_submit_flags(cmd)  # --gpu-memory, --link-gbps, --prompt-tokens, --no-memory-check
+    cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    resources = plan(cfg, args.nodes, args.gpus_per_node)
+    memory_plan.submit_check(cfg, args)  # per-GPU memory table on stderr; refuses a GPU over its memory
+    log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
+    spec = job_spec(
+        args,
+        cfg,
+        Path(args.config).absolute(),
+        list(args.overrides),
+        log_root,
+        args.job_name or f"rlvr-{Path(args.config).stem}",
+    )
     script = render(spec, resources)
     if args.dry_run:
         print(script, end="")
