@@ -64,7 +64,10 @@ def worker() -> None:
 
     hf_dir, names, *overrides = sys.argv[1:]
     result: dict = {}
-    for name in names.split(","):
+    if names == "cuda-peak":
+        result = _cuda_peak(hf_dir, overrides)
+        names = ""
+    for name in filter(None, names.split(",")):
         cfg = load_config(None, [*BASE, *overrides, *SETTINGS[name]])
         if not result:
             init_parallel(cfg.parallel, seed=0)
@@ -86,6 +89,54 @@ def worker() -> None:
     with open(os.environ["RESULT"], "w") as f:
         json.dump(result, f)
     destroy_parallel()
+
+
+CUDA_PROMPT_TOKENS = 24  # the batch of the GPU comparison: prompts of this length, full responses
+
+
+def _cuda_peak(hf_dir: str, overrides: list[str]) -> dict:
+    """One train step of the tiny model on CUDA over the batch the plan assumes (batch_groups ×
+    n rows of prompt + max_new_tokens): the allocator's peak against the plan's learner peak."""
+    import torch
+
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.learner.batch import TrainBatch
+    from megatron_rlvr.learner.learner import Learner
+    from megatron_rlvr.learner.parallel import init_parallel
+    from megatron_rlvr.plan.build import learner_plan
+
+    cfg = load_config(None, [*BASE, "parallel.device=cuda", "trainer.dtype=bfloat16", *overrides])
+    init_parallel(cfg.parallel, seed=0)
+    learner = Learner(cfg, hf_dir)
+    rows = cfg.buffer.batch_groups * cfg.rollout.n_samples_per_prompt
+    length = CUDA_PROMPT_TOKENS + cfg.rollout.max_new_tokens
+    gen = torch.Generator().manual_seed(0)
+    batch = TrainBatch(
+        torch.randint(0, learner.bridge.hf_config.vocab_size, (rows, length), generator=gen), torch.ones(rows, length)
+    )
+    torch.cuda.reset_peak_memory_stats()
+    batch.old_logprobs = batch.rollout_logprobs = learner.compute_logprobs(batch)
+    batch.advantages = torch.randn(rows, generator=gen)
+    learner.train_step(batch)
+    measured = torch.cuda.max_memory_allocated()
+    plan = learner_plan(cfg, shape_from_hf(read_config_json(Path(hf_dir))), 80 * 10**9, CUDA_PROMPT_TOKENS)
+    held = plan.phase_bytes()[""]
+    learner.close()
+    return {"measured": measured, "planned": plan.device_bytes, "held": held}
+
+
+@pytest.mark.gpu
+def test_the_plan_against_a_real_cuda_step(tiny_hf_dir, tmp_path, record_property):
+    """scripts/gpu_check.sh: the plan's learner peak against torch's allocator peak in a real
+    train step on the GPU; the ratio goes to the report. The model state is the plan's exact
+    part (equal to the learner's tensors on CPU): the peak can never be below it."""
+    (result,) = run_ranks(1, [str(tiny_hf_dir), "cuda-peak"], tmp_path, worker=Path(__file__))
+    ratio = result["planned"] / result["measured"]
+    record_property("plan_over_measured", round(ratio, 3))
+    record_property("measured_bytes", result["measured"])
+    record_property("planned_bytes", result["planned"])
+    print(f"plan {result['planned']} B / measured peak {result['measured']} B = {ratio:.3f}")
+    assert result["held"] <= result["measured"], result
 
 
 def _check(results: list[dict], hf_dir: Path) -> None:
