@@ -15,7 +15,7 @@ import torch
 from megatron_rlvr.cli import main
 from megatron_rlvr.config import load_config
 from megatron_rlvr.plan import activations as act
-from megatron_rlvr.plan.build import plan_run, step_batch
+from megatron_rlvr.plan.build import model_shape, plan_run, step_batch
 from megatron_rlvr.plan.engines import kv_bytes_per_token
 from megatron_rlvr.plan.model_state import Layout, state_bytes
 from megatron_rlvr.plan.report import check
@@ -148,19 +148,19 @@ def test_submit_refuses_a_layout_over_memory_in_one_line(capsys, tmp_path):
     captured = capsys.readouterr()
     assert not captured.out  # no script
     refusal = captured.err.splitlines()[-1]
-    assert refusal.startswith("megatron-rlvr submit: the most loaded learner rank needs 161.9 GB of 80 GB")
+    assert refusal.startswith("megatron-rlvr submit: the most loaded learner rank needs 162.1 GB of 80 GB")
     assert "largest term: optimizer" in refusal and "parallel.ep" in refusal and "--no-memory-check" in refusal
     assert main([*args, "--dry-run", "--no-memory-check"]) == 0
     captured = capsys.readouterr()
     assert captured.out.startswith("#!")
-    assert "warning: the most loaded learner rank needs 161.9 GB" in captured.err
+    assert "warning: the most loaded learner rank needs 162.1 GB" in captured.err
 
 
 def test_submit_warns_above_90_percent(capsys, tmp_path):
     config = str(ROOT / "configs" / "qwen3-30b-a3b-grpo-r3.yaml")
     args = ["submit", config, f"trainer.output_dir={tmp_path}", "--nodes", "4", "--gpus-per-node", "8", "--dry-run"]
     assert main([*args, "--gpu-memory", "48"]) == 0
-    assert "warning: the most loaded learner rank needs 44.0 GB, 92% of 48 GB" in capsys.readouterr().err
+    assert "warning: the most loaded learner rank needs 44.1 GB, 92% of 48 GB" in capsys.readouterr().err
 
 
 def test_plan_runs_without_torch():
@@ -180,3 +180,52 @@ def test_the_docs_show_each_recipes_plan_as_the_command_prints_it(recipe, capsys
     captured = capsys.readouterr()
     shown = "\n".join(captured.out.splitlines()[4:])  # the plan itself, after the GPU counts
     assert f"```text\n{shown}\n```" in (ROOT / "docs" / "slurm.md").read_text()
+
+
+def test_qk_norm_inputs_count_as_activations():
+    """Qwen3's q and k norms keep their inputs (the qkv projection's q and k) for backward:
+    the same layer with use_qk_norm keeps a·(n_q + n_kv)·d/tp more bytes per token."""
+    raw = read_config_json(HF / "Mixtral-8x7B-v0.1")  # 32 query heads, 8 KV heads of 128
+    layout = Layout(tp=2, pp=1, dp=1, ep=1, etp=1)
+    plain = act.layer_bytes_per_token(shape_from_hf(raw), 0, layout, 2, 2)
+    normed = act.layer_bytes_per_token(shape_from_hf({**raw, "use_qk_norm": True}), 0, layout, 2, 2)
+    assert normed - plain == 2 * (32 + 8) * 128 // 2
+
+
+# Each recipe's model state (bf16 weights, fp32 gradients, Adam; bytes on the most loaded GPU) as
+# Megatron's estimators give it, run unmodified (docs/slurm.md, "Against Megatron's estimators"):
+# (Megatron-LM d98e8a64 compute_weight_and_optimizer_memory,
+#  Megatron-Bridge 067f987d estimate_training_memory(...).weight_and_optimizer_bytes)
+ESTIMATED_STATE = {
+    "qwen3-30b-a3b-grpo-r3.yaml": (36_112_278_528, 36_055_655_424),
+    "qwen3-235b-a22b-gspo.yaml": (71_510_019_072, 71_323_756_032),
+    "mixtral-8x7b-grpo-r3.yaml": (54_349_940_736, 54_345_222_144),
+}
+
+
+@pytest.mark.parametrize("recipe", list(ESTIMATED_STATE))
+def test_model_state_equals_megatrons_estimators_but_for_the_named_terms(recipe):
+    """Both estimators charge 6 + 12/DP bytes per parameter (bf16 weight, fp32 gradient, fp32
+    master + Adam over the optimizer's shard), as the plan does; they differ from the plan only
+    in which parameters a GPU holds, each difference named here."""
+    cfg = load_config(ROOT / "configs" / recipe)
+    p = cfg.parallel
+    s = model_shape(cfg)
+    layout = Layout(p.tp, p.pp, p.dp, p.ep, p.etp)
+    ours = max(
+        state_bytes(s, layout, stage, dtype="bfloat16", distributed=True, norms_fp32=False).total
+        for stage in range(p.pp)
+    )
+    per_param = 6 + 12 / p.dp  # dense parameters; the experts (18 B at expert-DP 1) agree exactly
+    h, layers = s.hidden, s.num_layers // p.pp
+    vocab_pad = (-s.vocab % (128 * p.tp)) * h / p.tp  # Megatron pads V to 128·tp; the learner does not
+    qk_norms = 2 * s.head_dim * layers if s.model_type == "qwen3_moe" else 0  # neither estimator counts them
+    mlm, bridge = ESTIMATED_STATE[recipe]
+    # Megatron-LM: spreads the final norm over the stages (the plan: whole on the last)
+    final_norm = h - h / p.pp
+    assert ours == pytest.approx(mlm + per_param * (qk_norms + final_norm - vocab_pad), abs=1)
+    # Megatron-Bridge: no router weights; norms as LayerNorm (weight + bias), split over TP
+    routers = s.num_experts * h * layers
+    norms = 2 * h * layers + qk_norms + h - (4 * h * s.num_layers + 2 * h) / (p.pp * p.tp)
+    assert ours == pytest.approx(bridge + per_param * (routers + norms - vocab_pad), abs=1)
+    assert abs(ours / mlm - 1) < 1e-4 and abs(ours / bridge - 1) < 3e-3

@@ -6,14 +6,18 @@ tp under sequence parallelism else 1), counting each tensor a layer keeps for it
 once (flash attention: no s² term):
 
     attention   a · (2h/sp + (n_q + 2 n_kv)·d/tp + n_q·d/tp)        norm and qkv inputs, q/k/v, output
+                + a · (n_q + n_kv)·d/tp                              q/k norms' inputs (Qwen3's qk-norm)
     MLA         a · (2h/sp + q_lora + kv_lora + rope + n_q·(2 d_qk + 2 d_v)/tp)
     MoE         a · (2h/sp) + 8·E/sp                                 norm input/output, fp32 router logits + probs
                 + a · k·(etp·2h + 3·ffn)/tp                          each routed copy: fc1 input, fc1 out (2 ffn),
                                                                      activation, fc2 out; ÷ etp width, × etp tokens
-    shared/dense MLP  a · (h/sp + 3·ffn/tp)
+    shared experts    a · (h/sp + 3·ffn/tp)                          input, fc1 out, activation
+    dense MLP         a · (2h/sp + 3·ffn/tp)                         norm input/output, fc1 out, activation
 
-This is the Korthikanti et al. accounting (Megatron's theoretical_memory_usage) made
-MoE-aware with the active (top-k) width, as Megatron-Bridge's estimator does. With
+This starts from Korthikanti et al.'s accounting (Megatron-LM's theoretical_memory_usage,
+Megatron-Bridge's estimate_training_memory) and departs from it where these models do: GQA
+and a query width other than h, SwiGLU's 2·ffn fc1 output, no dropout masks, and the routed
+copies of each token an MoE layer keeps (docs/slurm.md compares the two term by term). With
 trainer.recompute_activations (full recompute, one layer at a time, learner/model.py) a layer
 keeps only its input, a·h/sp per token, and backward rebuilds one layer at a time.
 
@@ -60,6 +64,8 @@ def layer_bytes_per_token(shape: ModelShape, layer: int, layout: Layout, sp: int
     else:
         n_q, n_kv, d = shape.num_heads, shape.num_kv_heads, shape.head_dim
         attn = 2 * h // sp + (n_q + 2 * n_kv) * d // tp + n_q * d // tp
+        if any(p.name == "self_attention.q_layernorm.weight" for p in shape.params_of_layer(layer)):
+            attn += (n_q + n_kv) * d // tp  # the q and k norms keep their inputs, the qkv output
     total = a * attn
     params = {p.name: p.numel for p in shape.params_of_layer(layer)}
     if layer in shape.moe_layers:
