@@ -2,7 +2,8 @@
 (algo.num_minibatches), the engine in bfloat16 and the learner in float32, from an 8-expert
 cold start (configs/compare-replay-long-cpu.yaml), plus GRPO on-policy without the
 train-inference correction; then a verdict on each finding of Zheng et al. 2025 ("Stabilizing
-RL with LLMs"), by the rules in `verdicts()`:
+RL with LLMs"), by the rules in `verdicts()` on compare-replay's (compare/verdict.py: reward
+collapse, and one cell beating another beyond the seeds' spread):
   (a) on-policy, dropping the train-inference IS correction hurts;
   (b) at 2× off-policy, R2 is best;
   (c) at 4-8× off-policy, R3 is best and R2 fails;
@@ -28,6 +29,7 @@ from pathlib import Path
 from megatron_rlvr import cli
 from megatron_rlvr.compare import analysis as an
 from megatron_rlvr.compare import command as compare_replay
+from megatron_rlvr.compare import verdict as vd
 from megatron_rlvr.compare.plan import DONE
 from megatron_rlvr.compare.report import seeds_pm as pm
 from megatron_rlvr.stopping import StopSignals
@@ -43,7 +45,7 @@ PARTS = {  # folder → compare-replay arguments
 }
 PASS1 = "eval/heldout/pass@1"
 REWARD = "reward/mean"
-MIN_MARGIN = 0.02  # rewards closer than this are equal, whatever the seeds' spread
+MIN_MARGIN = vd.REWARD_DROP.floor  # rewards closer than this are equal, whatever the seeds' spread
 
 
 class Cell:
@@ -59,7 +61,7 @@ class Cell:
         self.first = [r.summaries[REWARD].first for r in runs if REWARD in r.summaries]
         self.pass1 = [an.series(r.rows, PASS1)[-1] for r in runs if an.series(r.rows, PASS1)]
         self.kl = [r.summaries[an.MISMATCH].mean for r in runs if an.MISMATCH in r.summaries]
-        self.collapses = an.stability(runs, runs[0].combo, window).collapses if runs else 0
+        self.collapses = vd.collapsed_seeds(runs, window)
 
     @property
     def failed(self) -> bool:
@@ -72,12 +74,11 @@ class Cell:
 
 
 def better(a: Cell, b: Cell) -> bool:
-    """a's last-window reward above b's by more than either's spread over seeds (two seeds
-    each at least: one seed says nothing about noise)."""
-    if min(len(a.rewards), len(b.rewards)) < 2:
-        return False
-    margin = max(statistics.stdev(a.rewards), statistics.stdev(b.rewards), MIN_MARGIN)
-    return statistics.fmean(a.rewards) - statistics.fmean(b.rewards) > margin
+    """a's last-window reward above b's beyond the seeds' spread, by compare-replay's rule
+    (compare.verdict.gap: by more than MIN_MARGIN and Student's t times the standard error of the
+    difference; two seeds each at least: one seed says nothing about noise)."""
+    found = vd.gap(a.rewards, b.rewards, MIN_MARGIN)
+    return found.resolved and found.diff > 0
 
 
 def read_cells(out: Path, steps: int) -> dict[tuple[str, str, int, str], Cell]:

@@ -22,6 +22,7 @@ from pathlib import Path
 from megatron_rlvr import cli
 from megatron_rlvr.compare import analysis as an
 from megatron_rlvr.compare import command as compare_replay
+from megatron_rlvr.compare import verdict as vd
 from megatron_rlvr.compare.plan import DONE
 from megatron_rlvr.compare.report import seeds_pm as pm
 from megatron_rlvr.stopping import StopSignals
@@ -83,7 +84,7 @@ def cell_row(folder: Path, steps: int) -> tuple[int, str, str, str, str, str]:
         an.summarise(run, ["reward/mean", an.MISMATCH, CORRECTED], window)
     passes = [an.series(r.rows, PASS1)[-1] for r in runs if an.series(r.rows, PASS1)]
     reward = f"{pm([r.summaries['reward/mean'].first for r in runs])} → {pm([r.summaries['reward/mean'].last for r in runs])}"
-    collapsed = an.stability(runs, combo, window).collapses
+    collapsed = vd.collapsed_seeds(runs, window)
     kl = statistics.fmean(r.summaries[an.MISMATCH].mean for r in runs if an.MISMATCH in r.summaries)
     corrected = [r.summaries[CORRECTED].mean for r in runs if CORRECTED in r.summaries]
     changed = f"{statistics.fmean(corrected):.2%}" if corrected else "–"

@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | sft | convert | submit | compare-replay."""
+"""`megatron-rlvr` command line: train | sft | convert | submit | plan | compare-replay."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from megatron_rlvr.config import load_config, to_yaml
 from megatron_rlvr.convert import commands as convert
 from megatron_rlvr.errors import UserError, original
 from megatron_rlvr.launch import slurm
+from megatron_rlvr.plan import command as plan_command
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
@@ -35,6 +36,7 @@ def _parser() -> argparse.ArgumentParser:
     sft.set_defaults(takes_overrides=True)
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
+    plan_command.add_parser(sub)
     compare_replay.add_parser(sub)
     return parser
 
@@ -111,6 +113,8 @@ def train_exit_code(outcome: Outcome) -> int:
 def _run(args: argparse.Namespace) -> int:
     if args.command == "submit":
         return slurm.submit_command(args)
+    if args.command == "plan":
+        return plan_command.main(args, lambda cfg: slurm.plan(cfg, args.nodes, args.gpus_per_node).lines())
     # Long-running commands: Ctrl-C and SIGTERM are recorded, never raised where they land
     # (see stopping.py); each command looks at the request at its safe points.
     stop = StopSignals().install()

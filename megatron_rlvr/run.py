@@ -30,7 +30,7 @@ from megatron_rlvr import run_dir
 from megatron_rlvr.algo.ema_state import EmaBaselines
 from megatron_rlvr.config import HFModel, ResolvedConfig, TinyModel
 from megatron_rlvr.data import build_arithmetic_tokenizer
-from megatron_rlvr.errors import UserError, original
+from megatron_rlvr.errors import original
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 if TYPE_CHECKING:
@@ -48,10 +48,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 # an engine dying during a sync (before or after buckets went out) is survived this many times in a row
 SYNC_ATTEMPTS = 3
-
-
-class RunError(UserError, RuntimeError):
-    """A run that cannot start or resume, said in one line."""
 
 
 def prepare_model(cfg: ResolvedConfig) -> tuple[Path, Any]:
@@ -134,6 +130,7 @@ class Run:
     _rollout_snapshot: dict | None = None  # the rollout side as it was when finished_step ended
     pending: concurrent.futures.Future | None = None  # the next batch, being generated (or ready)
     teardown_failures: list[str] = field(default_factory=list)  # components that did not stop cleanly
+    parity_failure: Exception | None = None  # a failed post-sync probe, raised once the step is saved
 
     @functools.cached_property
     def routing_shape(self) -> tuple[int, int] | None:
@@ -175,10 +172,13 @@ class Run:
             return {}
         return self.stop.result(self.rollout.submit(self.evaluator.evaluate()), f"the evaluation after step {step}")
 
-    def sync_weights(self) -> dict:
+    def sync_weights(self, *, defer_parity: bool = False) -> dict:
         """Pushes the learner's weights to every live engine as the current version; engines
-        restarted since the last sync get them too and take work again."""
-        from megatron_rlvr.weight_sync.syncer import EnginesLost  # torch: imported where used
+        restarted since the last sync get them too and take work again. A failed parity probe
+        raises at once, or (defer_parity: a step just trained) is kept for raise_parity_failure
+        after the step's metrics and checkpoint."""
+        from megatron_rlvr.weight_sync.probe import ParityError  # torch: imported where used
+        from megatron_rlvr.weight_sync.syncer import EnginesLost
 
         for attempt in range(1, SYNC_ATTEMPTS + 1):
             # a first stop request lets the trained step finish (sync, metrics, checkpoint state)
@@ -197,8 +197,13 @@ class Run:
                     self.rollout.run(self.manager.resume_clocks(resumed))
                 break
             except Exception as err:  # an engine that died during the sync: restart it, sync again
-                if not isinstance(original(err), EnginesLost) or attempt == SYNC_ATTEMPTS:
+                lost = original(err)
+                if isinstance(lost, ParityError):  # the engines hold the version: the sync is done
+                    self.parity_failure, metrics = lost, lost.metrics
+                    break
+                if not isinstance(lost, EnginesLost) or attempt == SYNC_ATTEMPTS:
                     raise
+                self.rollout.run(self.manager.restart_engines(lost.restart))  # the dead, and survivors stuck
                 log.warning(
                     "%s; syncing version %d again (attempt %d of %d)",
                     original(err),
@@ -209,26 +214,41 @@ class Run:
         self.stop.result(
             self.rollout.submit(self.manager.readmit(self.version)), "restarted engines to rejoin", urgent_only=True
         )
+        if not defer_parity:
+            self.raise_parity_failure()
         return metrics
+
+    def raise_parity_failure(self) -> None:
+        """Raises a failed parity probe, saying where the last finished step's checkpoint is
+        (saved now if it is not on disk) and how to go on."""
+        if self.parity_failure is not None:
+            failure, self.parity_failure = self.parity_failure, None
+            raise type(failure)(f"{failure}; {self.save_last()}")
 
     def finish_step(self, step: int, *, save: bool) -> None:
         """Records the rollout side as it is at the end of `step` (what a checkpoint of this
         step holds, even if written later, after a stop request) and saves if asked."""
 
         async def rollout_state() -> dict:
-            # an async run's next batch, if already drawn from the buffer, is part of the
-            # state: a resumed run trains on it rather than counting a second one as used
-            pending = self.pending
-            ready = pending is not None and pending.done() and pending.exception() is None
+            # sampler and buffer at one point, so no group being scored is in neither; an
+            # overlapped run's next batch, once drawn from the buffer, is part of the state: a
+            # resumed run trains on it rather than counting a second one as used. The pending
+            # fill was submitted to this loop before this coroutine, so it has begun (and
+            # cleared the previous fill's draw) by now.
+            sampler, buffer, drawn = await self.sampler.snapshot()
+            pending, next_batch = self.pending, None
+            if pending is not None:
+                ready = pending.done() and pending.exception() is None
+                next_batch = pending.result() if ready else drawn
             return {
                 "step": step,
                 "version": self.version,
-                "sampler": self.sampler.state(),
+                "sampler": sampler,
                 "ema_baselines": self.ema_baselines.to_dict(),
-                "buffer": await self.buffer.state(),
+                "buffer": buffer,
                 "manager": dict(self.manager.stats),
                 "trained_groups": self.trained_groups,
-                "next_batch": pending.result() if pending is not None and ready else None,
+                "next_batch": next_batch,
             }
 
         self._rollout_snapshot = self.rollout.run(rollout_state())
@@ -237,20 +257,12 @@ class Run:
             self.save()
 
     def save(self) -> None:
-        """A checkpoint of the last finished step, in a folder of its own: the learner's part,
-        then the rollout side's beside it, then the manifest that makes it complete; only
-        then does `latest` move to it and are older ones removed (run_dir's layout)."""
-        root, step, state = self.checkpoints, self.finished_step, self._rollout_snapshot
+        """A checkpoint of the last finished step, the rollout side's state beside the
+        learner's, in a step folder of its own (run_dir.save)."""
+        step, state = self.finished_step, self._rollout_snapshot
         assert state is not None and state["step"] == step, "finish_step() records the state a save writes"
-        folder = run_dir.begin_save(root, step)
-        self.learners.save(folder / run_dir.LEARNER)
-        run_dir.kill_point("run_state", step)
-        run_dir.write_atomically(folder / run_dir.RUN_STATE, run_dir.dump_run_state(state))
-        run_dir.seal(folder, step)
-        run_dir.point_latest(root, folder, step)
+        run_dir.save(self.checkpoints, step, state, self.learners.save, self.cfg.trainer.keep_checkpoints)
         self.saved_step = step
-        removed = run_dir.prune(root, self.cfg.trainer.keep_checkpoints, step)
-        log.info("saved %s%s", folder, f" (removed {', '.join(removed)})" if removed else "")
 
     @property
     def checkpoints(self) -> Path:
@@ -273,20 +285,11 @@ class Run:
     def resume(self) -> int:
         """Restores the last checkpoint, if there is one, and pushes its weights to the
         engines; returns the step it was taken after (0: none)."""
-        found = run_dir.resumable(self.checkpoints)
+        found = run_dir.resume(self.checkpoints, self.learners.load, "train")
         if found is None:
-            log.info("no complete checkpoint in %s: starting afresh", self.checkpoints)
             return 0
-        path, _, why = found
-        if why is not None:
-            log.warning("%s: resuming from the newest complete checkpoint, %s", why, path)
-        state = run_dir.load_run_state(path / run_dir.RUN_STATE)
-        step = self.learners.load(path / run_dir.LEARNER)
-        if step != state["step"]:
-            raise RunError(
-                f"checkpoint {path} is inconsistent: learner at step {step}, rollout state "
-                f"at step {state['step']} (remove it to resume from an older one, or set trainer.resume=false)"
-            )
+        path, state = found
+        step = state["step"]
 
         async def restore() -> int:
             cut_off = self.sampler.load_state(state["sampler"])

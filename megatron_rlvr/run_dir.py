@@ -11,8 +11,10 @@
 
 Each save writes a new folder; only when its complete.json is there does `latest` move to
 it, and only then are older folders removed. Resume takes `latest`, or, when that is
-missing or names a folder that is not complete, the newest complete one. `train` refuses to
-start a new run over an old one (nothing of it changes) unless the user asks to resume it."""
+missing or names a folder that is not complete, the newest complete one. `train` and `sft`
+save and resume through `save` and `resume` here (an SFT run's run_state.json holds its step
+only), and refuse to start a new run over an old one (nothing of it changes) unless the user
+asks to resume it."""
 
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ import re
 import shutil
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -182,6 +185,21 @@ def prune(root: Path, keep: int, step: int) -> list[str]:
     return removed
 
 
+def save(root: Path, step: int, state: dict, save_learner: Callable[[Path], None], keep: int) -> None:
+    """The checkpoint of `step`, in the order that leaves the previous one whole if a crash
+    comes at any moment: a folder of its own, the learner's part (save_learner, collective over
+    the learner ranks), the run state beside it, the manifest, `latest`, and only then the
+    removal of older folders (all but `keep` complete ones)."""
+    folder = begin_save(root, step)
+    save_learner(folder / LEARNER)
+    kill_point("run_state", step)
+    write_atomically(folder / RUN_STATE, dump_run_state(state))
+    seal(folder, step)
+    point_latest(root, folder, step)
+    removed = prune(root, keep, step)
+    log.info("saved %s%s", folder, f" (removed {', '.join(removed)})" if removed else "")
+
+
 def kill_point(phase: str, step: int) -> None:
     """The test hook (KILL_AT): SIGKILL this process at `phase` of the save of `step`."""
     if os.environ.get(KILL_AT) == f"{phase}@{step}":
@@ -261,6 +279,33 @@ def resumable(root: Path) -> tuple[Path, int, str | None] | None:
         if check(folder) is None:
             return folder, step, why
     return None
+
+
+def resume(root: Path, load_learner: Callable[[Path], int], command: str) -> tuple[Path, dict] | None:
+    """Loads the checkpoint a resume takes (see resumable): (its folder, its run state), the
+    learner's part loaded by load_learner (collective; returns the learner's step). None, and
+    nothing loaded, when there is none. A checkpoint another command wrote (`command`: "train"
+    or "sft"; a run state without one is train's) is refused in one line, before anything loads."""
+    found = resumable(root)
+    if found is None:
+        log.info("no complete checkpoint in %s: starting afresh", root)
+        return None
+    path, _, why = found
+    if why is not None:
+        log.warning("%s: resuming from the newest complete checkpoint, %s", why, path)
+    state = load_run_state(path / RUN_STATE)
+    if (made_by := state.get("command", "train")) != command:
+        raise CheckpointError(
+            f"{path} is a checkpoint of `megatron-rlvr {made_by}`, which `megatron-rlvr {command}` does not "
+            "resume: give this run another trainer.output_dir"
+        )
+    step = load_learner(path / LEARNER)
+    if step != state["step"]:
+        raise CheckpointError(
+            f"checkpoint {path} is inconsistent: learner at step {step}, run state at step {state['step']} "
+            "(remove that folder to resume from an older one)"
+        )
+    return path, state
 
 
 def learner_checkpoint(path: str | Path, what: str) -> Path:

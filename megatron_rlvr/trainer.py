@@ -73,7 +73,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 run.version += 1
                 run.trained_step = step
                 run.trained_groups += len(groups)
-                sync_metrics = run.sync_weights()
+                sync_metrics = run.sync_weights(defer_parity=True)
                 metrics = step_metrics(
                     step, run, learner_metrics, sync_metrics, time.perf_counter() - started, len(groups)
                 )
@@ -88,6 +88,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                     step,
                     save=step == steps or (cfg.trainer.save_interval > 0 and step % cfg.trainer.save_interval == 0),
                 )
+                run.raise_parity_failure()  # a failed probe ends the run with this step saved
                 stop.check(f"after step {step}")
                 if not overlap and step < steps:  # after the metrics and the checkpoint it belongs to
                     run.request_batch(run.version)

@@ -178,6 +178,7 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
             tests[f"{case.get('classname')}::{case.get('name')}"] = {
                 "outcome": outcome,
                 "seconds": float(case.get("time", 0)),
+                **{prop.get("name"): prop.get("value") for prop in case.iter("property")},  # e.g. the plan's ratio
             }
         return {
             "tests": tests,

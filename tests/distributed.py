@@ -22,13 +22,19 @@ WORKER = Path(__file__).with_name("learner_worker.py")
 
 
 def run_ranks(
-    world_size: int, args: list[str], out_dir: Path, timeout_s: float = 300, env: dict | None = None, attempts: int = 3
+    world_size: int,
+    args: list[str],
+    out_dir: Path,
+    timeout_s: float = 300,
+    env: dict | None = None,
+    attempts: int = 3,
+    worker: Path = WORKER,
 ) -> list[dict]:
-    """Runs learner_worker.py on every rank; returns each rank's JSON result. A failing rank
+    """Runs `worker` (learner_worker.py) on every rank; returns each rank's JSON result. A failing rank
     stops the others at once, and the error names it and shows the end of its log. A port
     taken between choosing and binding it (a race with other sockets) is retried."""
     for attempt in range(attempts):
-        failures = _launch(world_size, args, out_dir, timeout_s, env or {})
+        failures = _launch(world_size, args, out_dir, timeout_s, env or {}, worker)
         if not failures:
             return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
         if not any("EADDRINUSE" in f for f in failures) or attempt + 1 == attempts:
@@ -69,7 +75,7 @@ def _rank_main(worker: str, args: list[str], env: dict, log_path: str) -> None:
     runpy.run_path(worker, run_name="__main__")
 
 
-def _launch(world_size: int, args: list[str], out_dir: Path, timeout_s: float, env: dict) -> list[str]:
+def _launch(world_size: int, args: list[str], out_dir: Path, timeout_s: float, env: dict, worker: Path) -> list[str]:
     _start_fork_server()
     port = free_port()
     procs = []
@@ -84,7 +90,7 @@ def _launch(world_size: int, args: list[str], out_dir: Path, timeout_s: float, e
             "RESULT": str(out_dir / f"rank{rank}.json"),
             **env,
         }
-        proc = _forks.Process(target=_rank_main, args=(str(WORKER), args, rank_env, str(out_dir / f"rank{rank}.log")))
+        proc = _forks.Process(target=_rank_main, args=(str(worker), args, rank_env, str(out_dir / f"rank{rank}.log")))
         proc.start()
         procs.append(proc)
     deadline = time.monotonic() + timeout_s

@@ -3,7 +3,7 @@
     learner_worker.py SCENARIO HF_DIR [CKPT_DIR] [dotted.config=overrides ...]
 
 Scenarios: parity (logprobs vs HF, one train step, export), sft, ckpt-save, ckpt-load, descent,
-replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget, packed (GPU only).
+replay-r2, replay-r3, replay-r3-perturbed, short-batch, budget, packed (GPU only), epochs-xN.
 Writes this rank's JSON result to $RESULT.
 """
 
@@ -204,6 +204,16 @@ def descent(learner: Learner) -> dict:
     batch.advantages = torch.linspace(-1.0, 1.0, batch.size)
     steps = [learner.train_step(batch) for _ in range(6)]
     return {"losses": [m["policy_loss"] for m in steps], "entropies": [m["entropy"] for m in steps]}
+
+
+def epochs_scenario(learner: Learner, hf_dir: str, calls: int) -> dict:
+    """`calls` train steps on one fixed batch (its old logprobs taken once, before any); the
+    logprobs after, and every step's metrics."""
+    batch = fixed_batch(learner.bridge.hf_config.vocab_size)
+    batch = with_rl_fields(batch, hf_logprobs(hf_dir, batch.input_ids))
+    batch.old_logprobs = learner.compute_logprobs(batch)
+    steps = [learner.train_step(batch) for _ in range(calls)]
+    return {"logprobs": learner.compute_logprobs(batch, old_logprob_pass=False).tolist(), "metrics": steps}
 
 
 class UsedRouting:
@@ -568,6 +578,8 @@ def main() -> None:
         result = sft_scenario(learner, hf_dir, packed=scenario == "sft-packed")
     elif scenario == "descent":
         result = descent(learner)
+    elif scenario.startswith("epochs-x"):  # epochs-xN: N train steps
+        result = epochs_scenario(learner, hf_dir, int(scenario.removeprefix("epochs-x")))
     elif scenario == "ckpt-specs":
         result = checkpoint_specs(learner, ckpt)
     elif scenario == "entropy":

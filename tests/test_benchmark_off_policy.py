@@ -48,9 +48,9 @@ def test_a_cell_counts_finished_seeds_and_collapses(bench, tmp_path):
     write_run(tmp_path, "grpo-k4-none-s1", [0.6, 0.8, 0.8, 0.6, 0.6, 0.5, 0.5, 0.4, 0.3, 0.3], 0.2)
     write_run(tmp_path, "grpo-k4-none-s2", steady, 0.9, done=False)  # stopped: not counted
     seeds, pass1, reward, collapsed, kl, corrected = bench.cell_row(tmp_path, steps=10)
-    assert seeds == 2 and collapsed == "1 of 2"  # s1's last window 0.3 < its best 0.8 - 0.1
+    assert seeds == 2 and collapsed == "1 of 2"  # s1's last 3-step window 0.33 < its best 0.73 - 0.1
     assert pass1 == "0.300 ± 0.141"
-    assert reward == "0.650 ± 0.071 → 0.450 ± 0.212" and kl == "1.0e-03" and corrected == "1.00%"
+    assert reward == "0.667 ± 0.094 → 0.467 ± 0.189" and kl == "1.0e-03" and corrected == "1.00%"
 
 
 def test_an_empty_cell_prints_dashes(bench, tmp_path):

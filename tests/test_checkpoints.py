@@ -1,7 +1,7 @@
 """Checkpoints a crash cannot take away: each save writes a step folder of its own, marks it
 complete last, then moves `latest`; resume takes `latest` or, when that is missing or bad, the
-newest complete folder. A run SIGKILLed at each moment of a save (run_dir.KILL_AT) resumes
-from the new step or the previous one, never from a mix."""
+newest complete folder. A run of `train` or `sft` SIGKILLed at each moment of a save
+(run_dir.KILL_AT) resumes from the new step or the previous one, never from a mix."""
 
 from __future__ import annotations
 
@@ -90,6 +90,26 @@ def test_paths_users_give_mean_the_learner_part_of_a_complete_checkpoint(tmp_pat
         learner_checkpoint(tmp_path / "nothing", "model.mcore_checkpoint")
 
 
+def test_resume_loads_the_run_state_then_the_learner_and_refuses_another_commands_checkpoint(tmp_path):
+    root = tmp_path / "checkpoint"
+    folder = fake_checkpoint(root, 2)  # train's run state: no "command"
+    run_dir.point_latest(root, folder, 2)
+    loaded = []
+
+    def load_learner(path: Path) -> int:
+        loaded.append(path)
+        return 2
+
+    assert run_dir.resume(root, load_learner, "train") == (folder, {"step": 2})
+    assert loaded == [folder / run_dir.LEARNER]
+    with pytest.raises(CheckpointError, match=r"of `megatron-rlvr train`, which `megatron-rlvr sft` does not resume"):
+        run_dir.resume(root, load_learner, "sft")
+    assert len(loaded) == 1  # refused before the learner loads
+    with pytest.raises(CheckpointError, match=r"inconsistent: learner at step 5, run state at step 2"):
+        run_dir.resume(root, lambda path: 5, "train")
+    assert run_dir.resume(tmp_path / "none", load_learner, "sft") is None
+
+
 def test_an_old_single_folder_checkpoint_is_refused_in_one_line(tmp_path):
     root = tmp_path / "run" / "checkpoint"
     root.mkdir(parents=True)
@@ -155,23 +175,46 @@ def test_a_learner_checkpoint_that_cannot_be_read_is_one_line(tmp_path):
 
 
 # ----------------------------------------------------------------------------- runs killed mid-save
-def train(out: Path, *overrides: str, kill_at: str | None = None) -> str:
-    """A short local run (saved every step, two kept); KILL_AT given, it is SIGKILLed there.
-    Returns its log. A run killed so leaves no process behind: its engine's watchdog stops
-    the engine; Megatron's checkpoint writer leaves a multiprocessing manager (and its resource
-    tracker) that outlive their parent, so the run's process group is killed here."""
-    command = [
+COMMANDS = {
+    "train": [
+        "train",
+        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        "buffer.batch_groups=4",
+        "rollout.n_samples_per_prompt=4",
+    ],
+    # the demo's cold start made small: 2 layers, 200 conversations, ~350 tokens a step; a
+    # constant LR (a cosine's depends on trainer.steps, which the runs below raise as they go)
+    "sft": [
+        "sft",
+        str(REPO / "configs" / "long-answers-sft-cpu.yaml"),
+        "model.num_layers=2",
+        "sft.data.num_prompts=200",
+        "sft.heldout_examples=0",
+        "sft.batch_tokens=512",
+        "sft.pass_at_1=false",
+        "trainer.warmup_steps=0",
+        "trainer.lr_decay_style=constant",
+    ],
+}
+
+
+def launch(command: str, out: Path, *overrides: str, kill_at: str | None = None) -> str:
+    """A short local run of `command` (saved every step, two kept); KILL_AT given, it is
+    SIGKILLed there. Returns its log. A run killed so leaves no process behind: its engine's
+    watchdog stops the engine; Megatron's checkpoint writer leaves a multiprocessing manager
+    (and its resource tracker) that outlive their parent, so the run's process group is killed here."""
+    name, config, *preset = COMMANDS[command]
+    command_line = [
         sys.executable,
         "-m",
         "megatron_rlvr.cli",
-        "train",
-        str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+        name,
+        config,
         f"trainer.output_dir={out}",
         "launch.mode=local",
         "trainer.save_interval=1",
         "trainer.keep_checkpoints=2",
-        "buffer.batch_groups=4",
-        "rollout.n_samples_per_prompt=4",
+        *preset,
         *overrides,
     ]
     env = {k: v for k, v in os.environ.items() if k != run_dir.KILL_AT}
@@ -179,7 +222,7 @@ def train(out: Path, *overrides: str, kill_at: str | None = None) -> str:
     log_path = out.parent / f"{out.name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
-            command, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
+            command_line, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env, start_new_session=True
         )
         code = proc.wait(600)
     with contextlib.suppress(ProcessLookupError):
@@ -214,18 +257,19 @@ def steps_logged(out: Path) -> list[int]:
 PHASES = [
     ("begin", 2),  # the step folder made, nothing in it
     ("learner", 2),  # in the learner's part: tensor files being written, its metadata not
-    ("run_state", 2),  # the learner's part written, the rollout side's not
+    ("run_state", 2),  # the learner's part written, run_state.json (train's rollout side, sft's step) not
     ("seal", 2),  # everything written and synced, the manifest not
     ("latest", 2),  # complete, `latest` still naming step 2
     ("prune", 3),  # `latest` moved, step 1 (beyond keep_checkpoints) not yet removed
 ]
 
 
-def kill_then_check(out: Path, phase: str, step: int, resumes_at: int) -> None:
+def kill_then_check(command: str, out: Path, phase: str, step: int, resumes_at: int) -> None:
     """Saving `step` is killed at `phase` (in a resumed run when the folder holds one); the
     folders are as that moment leaves them, and `latest` names the step a resume takes."""
     fresh = not out.exists()
-    train(out, f"trainer.steps={step}", *([] if fresh else ["trainer.resume=true"]), kill_at=f"{phase}@{step}")
+    resume = [] if fresh else ["trainer.resume=true"]
+    launch(command, out, f"trainer.steps={step}", *resume, kill_at=f"{phase}@{step}")
     latest, folders = on_disk(out)
     assert latest == f"step_{resumes_at:06d}", phase
     assert folders.get(f"step_{step:06d}", False) == (phase in ("latest", "prune")), (phase, folders)
@@ -237,14 +281,15 @@ def kill_then_check(out: Path, phase: str, step: int, resumes_at: int) -> None:
     assert steps_logged(out)[-1] == step  # the step's metrics were logged before its save
 
 
-def test_a_run_killed_mid_save_resumes_from_a_whole_checkpoint(tmp_path):
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_run_killed_mid_save_resumes_from_a_whole_checkpoint(command, tmp_path):
     """Killed amid the learner's writes while saving step 2; `latest` then pointed at that
     half-written folder by hand: the resume says why it does not take it, continues from
     step 1, and the run ends with the keep_checkpoints newest folders on disk."""
     out = tmp_path / "run"
-    kill_then_check(out, "learner", 2, 1)
+    kill_then_check(command, out, "learner", 2, 1)
     (out / "checkpoint" / "latest").write_text("step_000002\n")
-    done = train(out, "trainer.steps=2", "trainer.resume=true")
+    done = launch(command, out, "trainer.steps=2", "trainer.resume=true")
     assert "latest names 'step_000002', but step_000002 is incomplete (no complete.json" in done
     assert "resuming from the newest complete checkpoint" in done and "step_000001 at step 1" in done
     assert steps_logged(out) == [1, 2]
@@ -252,17 +297,19 @@ def test_a_run_killed_mid_save_resumes_from_a_whole_checkpoint(tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_killed_at_every_moment_of_a_save_resumes_as_if_never_killed(tmp_path):
+@pytest.mark.timeout(1800)  # eight runs of a minute or two each on a loaded 2-core machine
+@pytest.mark.parametrize("command", COMMANDS)
+def test_a_run_killed_at_every_moment_of_a_save_resumes_as_if_never_killed(command, tmp_path):
     """Each phase in turn, one resumed run each; the run then logs what an uninterrupted one
     logs (a synchronous CPU run is deterministic), so no resume mixed two checkpoints."""
     out = tmp_path / "run"
     for phase, resumes_at in PHASES:
-        kill_then_check(out, phase, 3, resumes_at)
-    done = train(out, "trainer.steps=4", "trainer.resume=true")
+        kill_then_check(command, out, phase, 3, resumes_at)
+    done = launch(command, out, "trainer.steps=4", "trainer.resume=true")
     assert "resumed from" in done and "step_000003 at step 3" in done  # the prune kill's latest
     assert "resuming from the newest complete" not in done
     assert on_disk(out) == ("step_000004", {"step_000003": True, "step_000004": True})
-    train(tmp_path / "whole", "trainer.steps=4")
+    launch(command, tmp_path / "whole", "trainer.steps=4")
     noisy = ("time/", "loop/", "weight_sync/seconds", "weight_sync/parity_max_gap", "train/mismatch_")
     whole = (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()
     resumed = (out / "metrics.jsonl").read_text().splitlines()

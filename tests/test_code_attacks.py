@@ -205,12 +205,12 @@ def test_humaneval_and_judge_program_attacks(verifier):
 
 
 def test_the_sandbox_never_sees_an_expected_value():
-    sent = [{k: t[k] for k in ("setup", "exprs")} for t in parse_tests(MBPP) + parse_tests(HUMANEVAL)]
+    sent = [t["steps"] for t in parse_tests(MBPP) + parse_tests(HUMANEVAL)]
     assert "5" not in json.dumps(sent[0]) and "0.3" not in json.dumps(sent[2])
-    assert sent[0] == {"setup": "", "exprs": [["add(2, 3)", True]]}
+    assert sent[0] == [["value", "add(2, 3)"]]
     unimported = parse_tests(["assert math.isclose(area(2), 12.566)"])[0]  # math is the test's, not the solution's
-    assert unimported["exprs"] == [["area(2)", True]] and unimported["setup"] == "import math"
-    assert sent[2]["exprs"] == [["total([1.0, 2.0])", True], ["total([0.1, 0.2])", True], ["total([])", True]]
+    assert unimported["steps"] == [["value", "area(2)"]] and "import math" in unimported["program"]
+    assert sent[2] == [["value", "total([1.0, 2.0])"], ["value", "total([0.1, 0.2])"], ["value", "total([])"]]
 
 
 @pytest.mark.parametrize(
@@ -218,13 +218,19 @@ def test_the_sandbox_never_sees_an_expected_value():
     [
         "def check(candidate):\n    for i in range(3):\n        assert candidate(i) == i\ncheck(f)",
         "assert all(f(x) == x for x in range(3))",
-        "r = f(1)\nassert f(r) == 2",
+        "r = f(1) + 1\nassert f(r) == 2",
         "def helper():\n    return f(1)\nassert helper() == 1",
+        "assert list(map(f, [1, 2])) == [2, 4]",
+        "assert np.allclose(f(1), [1.0])",
+        "np.testing.assert_allclose(f(1), [1.0])",
+        "s = Stack()\ns.push(1)\nassert len(s) == 1",
+        "s = Stack()\nassert s.size() == 0 or s.pop() == 1",
     ],
 )
 def test_tests_that_only_the_solutions_process_could_judge_are_refused(test):
-    with pytest.raises(CodeTestError, match="cannot be judged|judged outside"):
+    with pytest.raises(CodeTestError, match="judged outside|in the solution's process|could change") as refused:
         parse_tests(test)
+    assert str(refused.value).startswith("test line ") and "\n" not in str(refused.value)
 
 
 def test_values_cross_as_exact_builtins_only():
@@ -235,6 +241,11 @@ def test_values_cross_as_exact_builtins_only():
             encode_value(forged)
     with pytest.raises(ValueError):
         decode_value({"eval": "1"})
+    meta = type("Meta", (type,), {"__eq__": lambda cls, other: True, "__hash__": type.__hash__})
+    with pytest.raises(NotAValue):  # "equal" to tuple by its metaclass: still no tuple
+        encode_value(meta("T", (), {})())
+    crossed = [decode_value(json.loads(json.dumps(encode_value(v)))) for v in ((i for i in (1, 2)), map(abs, [-3]))]
+    assert [list(v) for v in crossed] == [[1, 2], [3]] and decode_value(encode_value(range(1, 9, 2))) == range(1, 9, 2)
 
 
 MBPP_SHAPES = {
@@ -296,3 +307,209 @@ def test_honest_solutions_pass_mbpp_shaped_tests_of_every_kind(verifier):
         "honest": (1.0, "passed"),
         "wrong": (0.0, "wrong_answer"),
     }
+
+
+# One function per expression form; every comparison, operator and function of the test's own
+# (math, isinstance, type, sorted, len, set, abs, and/not) is the judge's.
+FORMS = {
+    "test_list": [
+        "assert pi_of(1) == math.pi",
+        # math is given to the solution (inside its call's input) and is still the test's afterwards
+        "assert area(math.sqrt(4)) > 0 and math.isclose(area(2), 12.566370614359172)",
+        "assert isinstance(as_list(1), list)",
+        "assert type(double(2)) == int and double(2) == 4",
+        "assert tens(11) == tens(12)",
+        "assert sorted(up([3, 1])) == sorted(down([1, 3]))",
+        "assert abs(half(1) - 0.5) < 1e-9",
+        "assert set(uniq([1, 2, 2])) == {1, 2} and len(uniq([1, 2, 2])) == 2 and not uniq([])",
+        "assert all(v > 0 for v in positives(3))",
+    ],
+    "test_imports": ["import math"],
+}
+HONEST_FORMS = {
+    "pi_of": "def pi_of(x):\n    return math.pi * x",
+    "area": "def area(r):\n    return math.pi * r * r",
+    "as_list": "def as_list(x):\n    return [x]",
+    "double": "def double(x):\n    return 2 * x",
+    "tens": "def tens(x):\n    return x // 10",
+    "up": "def up(xs):\n    return list(xs)",
+    "down": "def down(xs):\n    return list(reversed(xs))",
+    "half": "def half(x):\n    return x / 2",
+    "uniq": "def uniq(xs):\n    return list(dict.fromkeys(xs))",
+    "positives": "def positives(n):\n    return (i + 1 for i in range(n))",  # a generator: read out in the sandbox
+}
+ANY = "class Any:\n    def __eq__(self, other):\n        return True\n    __hash__ = None\n"
+
+
+def forms_solution(**forged: str) -> str:
+    """The honest solution with some functions replaced (and module-level code added under '')."""
+    functions = {**HONEST_FORMS, **forged}
+    return "import math, builtins\n" + "\n".join(functions.values())
+
+
+FORGED_FORMS = {
+    "pi_of: an object equal to everything (== math.pi)": (
+        forms_solution(pi_of=ANY + "def pi_of(x):\n    return Any()"),
+        "not_a_value",
+    ),
+    "area: patches math.isclose": (
+        forms_solution(area="math.isclose = lambda *a, **k: True\ndef area(r):\n    return 1.0"),
+        "wrong_answer",
+    ),
+    "as_list: patches builtins.isinstance": (
+        forms_solution(
+            as_list="real = builtins.isinstance\n"
+            "builtins.isinstance = lambda o, t: True if t is list else real(o, t)\n"
+            "def as_list(x):\n    return x"
+        ),
+        "wrong_answer",
+    ),
+    "double: a class whose metaclass equals int": (
+        forms_solution(
+            double="class Meta(type):\n    __eq__ = lambda cls, other: True\n    __hash__ = type.__hash__\n"
+            "class Four(metaclass=Meta):\n    __eq__ = lambda self, other: True\n"
+            "def double(x):\n    return Four()"
+        ),
+        "not_a_value",
+    ),
+    "tens: the same object from both calls": (
+        forms_solution(tens=ANY + "def tens(x):\n    return Any()"),
+        "not_a_value",
+    ),
+    "tens: wrong (tens(11) == tens(12) is false)": (forms_solution(tens="def tens(x):\n    return x"), "wrong_answer"),
+    "up/down: patches builtins.sorted": (
+        forms_solution(
+            up="builtins.sorted = lambda *a, **k: []\ndef up(xs):\n    return [9]",
+            down="def down(xs):\n    return [8]",
+        ),
+        "wrong_answer",
+    ),
+    "half: a float whose difference is 0": (
+        forms_solution(
+            half="class Zero(float):\n    __sub__ = lambda self, other: 0.0\ndef half(x):\n    return Zero(7)"
+        ),
+        "not_a_value",
+    ),
+    "uniq: patches builtins.set and len": (
+        forms_solution(
+            uniq="builtins.set = lambda *a: {1, 2}\nbuiltins.len = lambda x: 2\ndef uniq(xs):\n    return xs or [0]"
+        ),
+        "wrong_answer",
+    ),
+    "positives: patches builtins.all": (
+        forms_solution(positives="builtins.all = lambda *a: True\ndef positives(n):\n    return [-1]"),
+        "wrong_answer",
+    ),
+}
+
+
+def test_every_expression_form_is_judged_outside_the_solutions_process(verifier):
+    """Each forger is honest but for one function, so each form has to hold on its own."""
+    solutions = {"honest": forms_solution(), **{name: code for name, (code, _) in FORGED_FORMS.items()}}
+    assert score(verifier, solutions, FORMS) == {
+        "honest": (1.0, "passed"),
+        **{name: (0.0, reason) for name, (_, reason) in FORGED_FORMS.items()},
+    }
+    sent = json.dumps([t["steps"] for t in parse_tests(FORMS)])
+    for expected in ("math.pi", "isclose", "isinstance", "sorted", "12.566", "== "):
+        assert expected not in sent
+
+
+# Tests with state: inputs the solution changes in place, objects whose methods are called.
+STATEFUL = {
+    "test_list": [
+        "x = [3, 1, 2]\nsort_in_place(x)\nassert x == [1, 2, 3]",
+        "a = [5, 4]\nb = a\nsort_in_place(a)\nassert b == [4, 5] and len(a) == 2",
+        "s = Stack()\ns.push(1)\ns.push(2)\nassert s.pop() == 2\nassert s.size() == 1 and s.peek() == 1",
+        "head = build([1, 2, 3])\nhead = reverse(head)\nassert to_list(head) == [3, 2, 1] and head.val == 3",
+        # the solution is handed a copy: the test's own list is the judge's, whatever the solution rebinds
+        "arr = [3, 1, 2]\nassert sort_copy(list(arr)) == sorted(arr)",
+        "assert to_list(Solution().reverseList(build([1, 2]))) == [2, 1]",  # LeetCode's class
+    ],
+}
+HONEST_STATEFUL = """
+def sort_in_place(xs):
+    xs.sort()
+def sort_copy(xs):
+    return sorted(xs)
+class Stack:
+    def __init__(self):
+        self.items = []
+    def push(self, x):
+        self.items.append(x)
+    def pop(self):
+        return self.items.pop()
+    def peek(self):
+        return self.items[-1]
+    def size(self):
+        return len(self.items)
+class Node:
+    def __init__(self, val, nxt=None):
+        self.val, self.next = val, nxt
+def build(values):
+    head = None
+    for v in reversed(values):
+        head = Node(v, head)
+    return head
+def reverse(head):
+    previous = None
+    while head:
+        head.next, previous, head = previous, head, head.next
+    return previous
+class Solution:
+    def reverseList(self, head):
+        return reverse(head)
+def to_list(head):
+    out = []
+    while head:
+        out.append(head.val)
+        head = head.next
+    return out
+"""
+
+
+def test_stateful_tests_are_judged_on_the_state_the_solution_left(verifier):
+    forged = {
+        "sorts a copy": HONEST_STATEFUL.replace("xs.sort()", "xs = sorted(xs)"),
+        "rebinds the test's list to one equal to everything": HONEST_STATEFUL.replace(
+            "    xs.sort()",
+            "    import sys\n    class Any(list):\n        __eq__ = lambda self, other: True\n"
+            "    sys._getframe(1).f_globals['x'] = Any()",
+        ),
+        "pop returns an object equal to everything": HONEST_STATEFUL.replace(
+            "return self.items.pop()", "return type('Any', (), {'__eq__': lambda s, o: True})()"
+        ),
+        "a stack that forgets": HONEST_STATEFUL.replace("self.items.append(x)", "self.items = [x]"),
+        "patches builtins.len": "import builtins\nbuiltins.len = lambda x: 2\n"
+        + HONEST_STATEFUL.replace("xs.sort()", "pass"),
+        "rebinds the test's own list to what it returns": HONEST_STATEFUL.replace(
+            "return sorted(xs)", "import sys\n    sys._getframe(1).f_globals['arr'] = [9]\n    return [9]"
+        ),
+    }
+    assert score(verifier, {"honest": HONEST_STATEFUL, **forged}, STATEFUL) == {
+        "honest": (1.0, "passed"),
+        "sorts a copy": (0.0, "wrong_answer"),
+        "rebinds the test's list to one equal to everything": (0.0, "not_a_value"),
+        "pop returns an object equal to everything": (0.0, "not_a_value"),
+        "a stack that forgets": (0.0, "wrong_answer"),
+        "patches builtins.len": (0.0, "wrong_answer"),
+        "rebinds the test's own list to what it returns": (0.0, "wrong_answer"),
+    }
+
+
+def test_a_stateful_test_that_cannot_be_judged_is_refused_when_the_data_is_read(tmp_path):
+    from megatron_rlvr.config import FileData, VerifierConfig
+    from megatron_rlvr.data import DataError, load_data
+
+    path = tmp_path / "stack.jsonl"
+    tests = "s = Stack()\ns.push(1)\nassert len(s) == 1"
+    path.write_text(json.dumps({"prompt": "write a stack", "answer": tests, "verifier": "code"}) + "\n")
+    spec = FileData(path=str(path))
+    spec.fill_keys()
+    with pytest.raises(DataError) as refused:
+        load_data(spec, VerifierConfig())
+    assert str(refused.value) == (
+        f"{path}:1: 'answer' holds no usable code tests: test line 3 `assert len(s) == 1`: 's' holds an object "
+        "of the solution's (the test uses its methods) and is used here as a value: only what its methods return "
+        "can be judged outside its process (or set data.skip_bad_rows=true to skip bad rows)"
+    )

@@ -217,15 +217,7 @@ def unread(fields, reads: dict[str, frozenset[str]] | None = None) -> list[str]:
 # Fields the check finds read by nothing outside the config package, each with why it stays
 # for now. The list may only shrink: a field on it that code starts reading fails the test
 # below, so the entry is removed when the field is wired.
-KNOWN_UNREAD = {
-    # resolved (tp > 1) and checked (false with tp > 1 is refused), but the learner takes
-    # sequence parallelism from the bridge's Megatron config, never from this field, so
-    # `sequence_parallel: true` with tp = 1 is accepted and does nothing
-    "parallel.sequence_parallel",
-    # a Literal with one value; config/model.py reads it for the model's dims, and
-    # tiny_model.py builds a Qwen3-MoE whatever it says
-    "model.model_type",
-}
+KNOWN_UNREAD: set[str] = set()  # megatron_rlvr/plan reads the last two (sequence parallelism, model type)
 
 
 @pytest.mark.parametrize("root", [Config, ResolvedConfig], ids=["Config", "ResolvedConfig"])

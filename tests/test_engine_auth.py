@@ -1,19 +1,23 @@
 """The run's API key on a real CPU engine process: it reaches the server off its command line
-and never shows in its log; a request without it (a weight update included) gets 401 and
-changes nothing, the same request with it is served; /health needs no key (as in SGLang)."""
+and never shows in its log, its launcher's repr or environment fields; a request without it (a
+weight update included) gets 401 and changes nothing, the same request with it is served;
+/health needs no key (as in SGLang). SGLang's key file is gone on every path out of a start."""
 
 import asyncio
+import dataclasses
 import secrets
-import time
+import sys
 
 import httpx
 import pytest
 import torch
 from engine_fixtures import start_engine
 
-from megatron_rlvr.config import WeightSyncConfig
+from megatron_rlvr.config import CpuEngine, SglangEngine, WeightSyncConfig
+from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError
+from megatron_rlvr.rollout.launcher import EngineStartError, engine_process
 from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
 NAME = "model.layers.0.self_attn.q_proj.weight"
@@ -110,7 +114,42 @@ def test_a_sync_to_an_engine_that_refuses_the_key_ends_at_once_naming_it(keyed):
             await client.close()
             await stranger.close()
 
-    started = time.monotonic()
-    with pytest.raises(WeightSyncError, match=f"refused.*{server.url}.*401.*API key"):
+    # the refusal itself, not the survey's "no engine is alive" after its 300 s bound
+    with pytest.raises(WeightSyncError, match=f"an engine refused.*{server.url}.*401.*API key"):
         asyncio.run(sync_with_the_wrong_key())
-    assert time.monotonic() - started < 30  # the survey's bound is 300 s
+
+
+def keyed_processes(tmp_path, key: str):
+    """A keyed CPU engine and a keyed SGLang engine as the launcher makes them (not started)."""
+    common = dict(host="127.0.0.1", routed_experts=True, log_dir=tmp_path, api_key=key)
+    sglang = SglangEngine(device="cpu", python=sys.executable, dtype="float32")
+    return [
+        engine_process("/m", CpuEngine(), port=free_port(), **common),
+        engine_process("/m", sglang, port=free_port(), name="engine 1 (sglang)", **common),
+    ]
+
+
+def test_the_key_is_in_no_repr_argv_or_environment_field(tmp_path):
+    key = secrets.token_urlsafe(32)
+    cpu, sglang = keyed_processes(tmp_path, key)
+    for proc in (cpu, sglang):
+        assert key not in repr(proc) and key not in str(proc)
+        assert key not in " ".join(proc.command)
+        assert key not in repr(proc.env)
+    assert cpu.key_env is not None and sglang.key_file is not None  # how each gets it at start instead
+
+
+@pytest.mark.parametrize("how", ["popen raises", "server exits"])
+def test_the_key_file_is_gone_whatever_ends_a_start(tmp_path, how):
+    key = secrets.token_urlsafe(32)
+    sglang = keyed_processes(tmp_path, key)[1]
+    if how == "popen raises":
+        proc = dataclasses.replace(sglang, command=[str(tmp_path / "no-such-python"), *sglang.command[1:]])
+        expected: type[BaseException] = FileNotFoundError
+    else:
+        proc = dataclasses.replace(sglang, command=[sys.executable, "-c", "import sys; sys.exit(3)"])
+        expected = EngineStartError
+    with pytest.raises(expected):
+        proc.start(ready_timeout_s=30)
+    assert proc.key_file is not None and not proc.key_file.exists()
+    assert all(key not in path.read_text() for path in tmp_path.iterdir())

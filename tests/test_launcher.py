@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 from megatron_rlvr.config import ConfigError, CpuEngine, SglangEngine, load_config
+from megatron_rlvr.config.resolve import sglang_install
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.launch.placement import InProcess, RayActors, engine_gpus
 from megatron_rlvr.learner.parallel import free_port
@@ -193,10 +194,18 @@ def test_what_an_engine_cannot_honour_is_one_line_naming_the_field(overrides, ex
     assert all("\n" not in line for line in problems)
 
 
-def test_the_python_check_is_fast():
-    started = time.monotonic()
-    _problems(SGLANG + [f"rollout.engine.python={sys.executable}"])
-    assert time.monotonic() - started < 20  # a metadata look-up, not an import of SGLang (generous bound)
+def test_the_python_check_reads_metadata_and_imports_nothing(tmp_path, monkeypatch):
+    """Checking rollout.engine.python reads package metadata: importing SGLang would take
+    seconds to minutes. A stand-in sglang that records being imported is found, not imported."""
+    site = tmp_path / "site"
+    imported = tmp_path / "imported"
+    (site / "sglang").mkdir(parents=True)
+    (site / "sglang" / "__init__.py").write_text(f"open({str(imported)!r}, 'w').close()\n")
+    (site / "sglang-9.9.9.dist-info").mkdir()
+    (site / "sglang-9.9.9.dist-info" / "METADATA").write_text("Metadata-Version: 2.1\nName: sglang\nVersion: 9.9.9\n")
+    monkeypatch.setenv("PYTHONPATH", str(site))
+    assert sglang_install(sys.executable)["sglang"] == "9.9.9"
+    assert not imported.exists()
 
 
 def test_resolve_fills_what_depends_on_the_engine():
@@ -433,10 +442,10 @@ def test_a_fatal_log_line_fails_the_start_although_the_process_lives(tmp_path):
     proc = ServerProcess(
         [sys.executable, "-c", script], "127.0.0.1", 9, tmp_path / "f.log", name="engine 0", check_port=False
     )
-    started = time.monotonic()
+    # the fatal line, not the 120 s bound (whose message is "not healthy after 120 s")
     with pytest.raises(EngineStartError, match="failed to start: .*address already in use; log: "):
         proc.start(ready_timeout_s=120)
-    assert time.monotonic() - started < 60 and not proc.alive
+    assert not proc.alive
 
 
 def test_pinning_a_process_whose_threads_come_and_go_pins_the_living_ones():

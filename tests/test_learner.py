@@ -143,6 +143,25 @@ def test_policy_loss_goes_down_on_a_fixed_batch(kind, tiny_hf_dir, tmp_path):
     assert all(b <= a + 1e-6 for a, b in zip(losses, losses[1:])), losses
 
 
+def test_two_epochs_equal_two_one_epoch_steps_on_the_same_batch(tiny_hf_dir, tmp_path):
+    """algo.epochs = 2 (verl's ppo_epochs) is two passes of the same num_minibatches optimizer
+    steps over one batch: the weights after it equal two one-pass train steps on that batch
+    (constant lr), and the second pass's drift is reported on its own."""
+    common = [str(tiny_hf_dir), "algo.num_minibatches=2", "trainer.lr=3e-3", "trainer.lr_decay_style=constant"]
+    (tmp_path / "two").mkdir()
+    (tmp_path / "one").mkdir()
+    two = run_ranks(1, ["epochs-x1", *common, "algo.epochs=2"], tmp_path / "two")[0]
+    one = run_ranks(1, ["epochs-x2", *common, "algo.epochs=1"], tmp_path / "one")[0]
+    gap = (torch.tensor(two["logprobs"]) - torch.tensor(one["logprobs"])).abs().max().item()
+    assert gap <= 1e-6, gap
+    (both,) = two["metrics"]
+    first, second = one["metrics"]
+    assert both["last_epoch/approx_kl"] == pytest.approx(second["approx_kl"], abs=1e-9)
+    assert both["approx_kl"] == pytest.approx((first["approx_kl"] + second["approx_kl"]) / 2, abs=1e-9)
+    assert second["approx_kl"] > first["approx_kl"]  # the second pass is off-policy
+    assert "last_epoch/approx_kl" not in first
+
+
 @pytest.mark.parametrize(
     "layout",
     [[], LAYOUTS["tp2-sp"], pytest.param(["parallel.device=cuda"], marks=pytest.mark.gpu)],

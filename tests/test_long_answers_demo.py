@@ -1,7 +1,7 @@
 """The long-answer demo end to end: `megatron-rlvr sft` makes the cold start, `megatron-rlvr
 train` starts from its export (the first weight sync's parity probe passes), and GRPO raises
-held-out pass@1. The chain is slow (a minute or two), the demo itself slower; a two-step
-`sft` runs in the default tier."""
+held-out pass@1 by the goal the docs state. The chain is slow (a minute or two), the demo
+itself slower; a two-step `sft` and the goal's check on recorded numbers run in the default tier."""
 
 import json
 import subprocess
@@ -82,23 +82,53 @@ def test_the_cold_start_is_what_an_rl_run_trains_and_its_engines_serve(tmp_path)
     assert rl[0]["eval/heldout/pass@1"] == pytest.approx(sft[-1]["eval/heldout/pass@1"])
 
 
+GOAL = 0.3  # the demo's goal (README, docs/long-answers.md): held-out pass@1 over the cold start's
+
+
+def goal_shortfall(rl: list[dict], goal: float = GOAL) -> str | None:
+    """None when the RL run's held-out pass@1 at its last step is at least `goal` above its
+    step-0 evaluation (the cold start's score), else what it measured instead."""
+    evals = [m for m in rl if "eval/heldout/pass@1" in m]
+    if not evals or evals[0]["step"] != 0 or evals[-1]["step"] != rl[-1]["step"]:
+        return f"no held-out evaluation at step 0 and at the last step (evaluated at {[m['step'] for m in evals]})"
+    start, end = evals[0]["eval/heldout/pass@1"], evals[-1]["eval/heldout/pass@1"]
+    if end - start >= goal - 1e-9:  # pass@1 is a count over 256 samples: no rounding to speak of
+        return None
+    return (
+        f"held-out pass@1 {start:.3f} -> {end:.3f} by step {evals[-1]['step']}: {end - start:+.3f}, the goal {goal:+}"
+    )
+
+
+def evaluations(*points: tuple[int, float]) -> list[dict]:
+    return [{"step": step, "eval/heldout/pass@1": value} for step, value in points]
+
+
+def test_the_demo_goal_check_holds_the_measured_run_and_refuses_a_miss():
+    """The slow demo test's check, on what docs/long-answers.md records: seed 3 met the goal
+    (0.188 -> 0.559); the earlier cold start's run missed it by a hair (0.117 -> 0.410)."""
+    seed3 = evaluations((0, 0.188), (10, 0.363), (20, 0.453), (30, 0.480), (40, 0.523), (50, 0.543), (60, 0.559))
+    assert goal_shortfall(seed3) is None
+    assert goal_shortfall(seed3, goal=0.4) == "held-out pass@1 0.188 -> 0.559 by step 60: +0.371, the goal +0.4"
+    assert goal_shortfall(evaluations((0, 0.117), (60, 0.410))) == (
+        "held-out pass@1 0.117 -> 0.410 by step 60: +0.293, the goal +0.3"
+    )
+    assert goal_shortfall([*seed3[:-1], {"step": 60}]) is not None  # no evaluation at the end: not met
+
+
 @pytest.mark.slow
-@pytest.mark.xfail(
-    reason="issue 27's target, missed by a hair: measured 0.117 -> 0.410 held-out pass@1 (+0.293) in 60 GRPO "
-    "steps (13.5 min on 2 cores, one seed); the cold start's range 0.1-0.6 holds",
-    strict=False,
-)
 def test_grpo_raises_heldout_pass_at_1_over_the_cold_start(tmp_path):
-    """The demo as the README gives it (about 3 + 15 minutes on 2 cores): on the odd-count
-    problem, whose held-out problems a model gets right only by the rule."""
+    """The demo as the README gives it (about 2.5 + 14 minutes alone on 2 cores): on the
+    odd-count problem, whose held-out problems a model gets right only by the rule, GRPO
+    raises held-out pass@1 by GOAL over the cold start."""
     sft = command("sft", SFT, f"trainer.output_dir={tmp_path / 'sft'}", timeout_s=900)
     rl = command(
         "train", RL, f"trainer.output_dir={tmp_path / 'rl'}", f"model.path={tmp_path / 'sft' / 'hf'}", timeout_s=2400
     )
-    start, end = rl[0]["eval/heldout/pass@1"], rl[-1]["eval/heldout/pass@1"]
-    assert start == pytest.approx(sft[-1]["eval/heldout/pass@1"])
+    start = rl[0]["eval/heldout/pass@1"]
+    assert start == pytest.approx(sft[-1]["eval/heldout/pass@1"])  # step 0 scores the cold start
     assert 0.1 <= start <= 0.6
-    assert end >= 0.8 or end >= start + 0.3
+    shortfall = goal_shortfall(rl)
+    assert shortfall is None, shortfall
 
 
 @pytest.mark.slow

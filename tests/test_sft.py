@@ -1,6 +1,7 @@
 """Supervised fine-tuning: the assistant-token mask, the loss against a hand computation, the
 step against HF transformers' own, the layouts against world 1, token-budget batches, the data
-formats, and the exported cold start as an RL run's model."""
+formats, the exported cold start as an RL run's model, and the output folders the command
+refuses (its checkpoints killed mid-save: tests/test_checkpoints.py)."""
 
 import json
 from pathlib import Path
@@ -23,6 +24,7 @@ from megatron_rlvr.sft.data import (
 )
 
 REPO = Path(__file__).resolve().parents[1]
+SFT = REPO / "configs" / "long-answers-sft-cpu.yaml"
 LAYOUTS = {"tp2-sp": ["parallel.tp=2"], "ep2": ["parallel.ep=2"], "pp2": ["parallel.pp=2"]}
 
 
@@ -183,3 +185,24 @@ def test_a_packed_sft_step_equals_the_padded_one(layout, world1, tiny_hf_dir, tm
         assert r["metrics"]["grad_norm"] == pytest.approx(world1["metrics"]["grad_norm"], rel=1e-5), rank
         after = torch.tensor(r["logprobs_after_step"]) - torch.tensor(world1["logprobs_after_step"])
         assert after.abs().max() <= 1e-5, rank
+
+
+def test_sft_refuses_a_folder_that_holds_a_run_and_changes_nothing_in_it(tmp_path):
+    """As train does: a new run never writes over an old one's metrics or checkpoints; resuming
+    an older version's in-place checkpoint (sft_checkpoint/) is refused rather than started afresh."""
+    from megatron_rlvr.config import ConfigError
+    from megatron_rlvr.run_dir import CheckpointError
+    from megatron_rlvr.sft.command import run_sft
+    from megatron_rlvr.stopping import StopSignals
+
+    out = tmp_path / "run"
+    (out / "sft_checkpoint").mkdir(parents=True)
+    (out / "metrics.jsonl").write_text('{"step": 3, "train/sft_loss": 1.0}\n')
+    args = [f"trainer.output_dir={out}", "trainer.steps=2", "trainer.warmup_steps=0"]
+    with pytest.raises(ConfigError, match=r"holds a run \(metrics up to step 3\): continue it with trainer.resume"):
+        run_sft(str(SFT), args, StopSignals())
+    with pytest.raises(CheckpointError, match=r"sft_checkpoint is a checkpoint of an older version") as refused:
+        run_sft(str(SFT), [*args, "trainer.resume=true"], StopSignals())
+    assert "\n" not in str(refused.value)
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl", "sft_checkpoint"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 3, "train/sft_loss": 1.0}\n'

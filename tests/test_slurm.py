@@ -334,3 +334,46 @@ def test_every_shipped_hf_config_gets_a_layout_from_the_qwen3_30b_recipe(hf_conf
         return
     cfg = load_config(QWEN3_30B, [f"model.path={path}"])
     assert "learner  tp 2 · pp 2 · dp 4 (ep 8, etp 1) on cuda = 16 GPUs" in slurm.plan(cfg, 4, 8).lines()
+
+
+# ----------------------------------------------------------------------------- the nodes' side
+def test_the_head_takes_the_interface_address_and_one_node_ip_flag():
+    from megatron_rlvr.launch import ray_join
+
+    ip, port = ray_join.head_address("lo")
+    assert ip == "127.0.0.1" and 0 < port < 65536
+    with pytest.raises(ray_join.JoinError, match="no such network interface"):
+        ray_join.head_address("no-such-if0")
+    script = slurm.TEMPLATE.read_text()
+    assert 'ray_join address --iface "$RLVR_IFACE"' in script
+    # the head's address reaches `ray start` once, through the node wrapper, never as an argument too
+    head_line = next(line for line in script.splitlines() if line.startswith('node_step "$HEAD_NODE" head'))
+    assert "--node-ip-address" not in head_line and '"$HEAD_IP"' in head_line
+    assert script.count("--node-ip-address=") == 1
+
+
+def test_workers_wait_for_the_head_within_a_bound():
+    import socket
+
+    from megatron_rlvr.launch import ray_join
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        assert ray_join.wait_for_head(f"127.0.0.1:{server.getsockname()[1]}", timeout_s=5)
+        closed = server.getsockname()[1]
+    assert not ray_join.wait_for_head(f"127.0.0.1:{closed}", timeout_s=1, poll_s=0.1)
+    script = slurm.TEMPLATE.read_text()
+    assert script.index("ray_join wait-head") < script.index('node_step "$node" worker')
+
+
+def test_the_stop_grace_is_sized_from_the_checkpoint(tmp_path):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text((QWEN3_30B.parent / "hf-configs" / "Qwen3-30B-A3B" / "config.json").read_text())
+    cfg = load_config(QWEN3_30B, [f"model.path={model}"])
+    assert slurm.stop_grace(cfg)[0] == 300  # nothing to size it from
+    with open(model / "model.safetensors", "wb") as f:  # 30B bf16 parameters' worth of bytes
+        f.truncate(61 * 10**9)
+    seconds, how = slurm.stop_grace(cfg)
+    assert seconds == 120 + int(30.5e9 * 14 / 1e9) and "30.5B parameters" in how

@@ -9,6 +9,7 @@ ports; it stops exactly the daemons it started, by pid. How it works: docs/slurm
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
@@ -226,9 +227,8 @@ def _job_processes(job_id: str) -> list[str]:
     return found
 
 
-def test_two_node_training_job_through_submit(local_slurm, tmp_path):
-    out_dir = tmp_path / "run"
-    t0 = time.monotonic()
+def _submit(local_slurm, out_dir: Path, *extra: str, follow: bool = False) -> tuple[subprocess.CompletedProcess, str]:
+    """`megatron-rlvr submit` of the tiny CPU run on both nodes; returns the result and job id."""
     result = subprocess.run(
         [
             sys.executable,
@@ -236,17 +236,17 @@ def test_two_node_training_job_through_submit(local_slurm, tmp_path):
             "megatron_rlvr.cli",
             "submit",
             str(REPO / "configs" / "tiny-moe-cpu.yaml"),
-            "trainer.steps=2",
             "buffer.batch_groups=2",
             "rollout.n_samples_per_prompt=4",
             f"trainer.output_dir={out_dir}",
+            *extra,
             "--nodes",
             "2",
             "--gpus-per-node",
             "0",
             "--time",
             "10:00",
-            "--follow",
+            *(["--follow"] if follow else []),
         ],
         capture_output=True,
         text=True,
@@ -254,37 +254,76 @@ def test_two_node_training_job_through_submit(local_slurm, tmp_path):
         env=local_slurm.env,
         timeout=540,
     )
-    print(result.stdout, result.stderr, f"submit --follow took {time.monotonic() - t0:.1f} s", sep="\n")
-    job_id = re.search(r"submitted job (\d+)", result.stdout).group(1)
-    log_root = out_dir / "slurm"
-    job_dir = log_root / job_id
-    timeline = (log_root / f"slurm-{job_id}.out").read_text()
-    assert result.returncode == 0, f"{result.stderr}\n{timeline}\n{(job_dir / 'driver.log').read_text()}"
+    print(result.stdout, result.stderr, sep="\n")
+    found = re.search(r"submitted job (\d+)", result.stdout)
+    assert found, result.stderr
+    return result, found.group(1)
 
-    # Slurm's own account of the job
-    show = subprocess.run(
+
+def _scontrol(local_slurm, job_id: str) -> str:
+    return subprocess.run(
         ["scontrol", "show", "job", "-o", job_id], capture_output=True, text=True, env=local_slurm.env, timeout=30
     ).stdout
-    assert "JobState=COMPLETED" in show and "ExitCode=0:0" in show, show
 
-    # Ray spanned both nodes before the driver started; the driver trained its 2 steps
+
+def _wait(what: str, condition, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"waited {timeout_s:g} s for {what}"
+        time.sleep(0.5)
+
+
+def test_two_node_job_stopped_by_scancel_resumes_from_the_save_it_made(local_slurm, tmp_path):
+    """A 2-node job on the local Slurm cluster: Ray spans both nodes before the driver starts;
+    `scancel --batch --signal=TERM` mid-run reaches the driver first, which finishes its step,
+    saves, and ends with its own exit code (130) while Ray still runs on both nodes; the job
+    ends with that code and leaves nothing running. Submitted again, the run resumes from that
+    save and finishes."""
+    out_dir = tmp_path / "run"
+    log_root = out_dir / "slurm"
+    metrics = out_dir / "metrics.jsonl"
+    _, job_id = _submit(local_slurm, out_dir, "trainer.steps=40")
+
+    _wait("the first training step", lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, 300)
+    subprocess.run(
+        ["scancel", "--batch", "--signal=TERM", job_id],
+        env=local_slurm.env,
+        check=True,
+        capture_output=True,
+        timeout=30,
+    )
+    _wait("the job to end", lambda: "JobState=RUNNING" not in _scontrol(local_slurm, job_id), 300)
+    show = _scontrol(local_slurm, job_id)
+    timeline = (log_root / f"slurm-{job_id}.out").read_text()
+    driver_log = (log_root / job_id / "driver.log").read_text()
+    print(timeline, driver_log[-3000:], sep="\n")
+
+    # Ray spanned both nodes before the driver started
     joined = re.findall(r"ray node joined: (n\d) at ", timeline)
     assert sorted(joined) == NODES, timeline
     assert timeline.index("[2/2]") < timeline.index("driver: megatron-rlvr train")
-    assert "driver exited with code 0" in timeline and "job done: exit code 0" in timeline
-    metrics = (out_dir / "metrics.jsonl").read_text().splitlines()
-    assert len(metrics) == 2
-
-    # logs: the timeline, the driver's, one per Ray node, the script as submitted
-    for name in ("driver.log", "ray-head-n1.log", "ray-worker-n2.log", "job.sbatch"):
-        assert (job_dir / name).stat().st_size > 0, name
+    # the signal reached the driver, which saved and stopped; its exit code is the job's
+    assert "job signalled" in timeline and "driver exited with code 130" in timeline, timeline
+    assert "ExitCode=130:0" in show, show
+    stopped_at = len(metrics.read_text().splitlines())
+    assert 1 <= stopped_at < 40
+    latest = (out_dir / "checkpoint" / "latest").read_text().strip()
+    assert latest == f"step_{stopped_at:06d}", (latest, stopped_at)
 
     # nothing left running: no process of the job, no Ray state left on the nodes
-    deadline = time.monotonic() + 20
-    while _job_processes(job_id) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert _job_processes(job_id) == []
-    assert not list(Path("/tmp").glob(f"ray-rlvr-{job_id}-*"))
+    _wait("the job's processes to end", lambda: not _job_processes(job_id), 30)
+
+    # the same run again: it resumes from the save the signal made and finishes
+    result, again = _submit(local_slurm, out_dir, f"trainer.steps={stopped_at + 1}", "trainer.resume=true", follow=True)
+    timeline = (log_root / f"slurm-{again}.out").read_text()
+    assert result.returncode == 0, f"{result.stderr}\n{timeline}\n{(log_root / again / 'driver.log').read_text()}"
+    assert "JobState=COMPLETED" in _scontrol(local_slurm, again)
+    steps = [json.loads(line)["step"] for line in metrics.read_text().splitlines()]
+    assert steps == list(range(1, stopped_at + 2)), steps
+    for name in ("driver.log", "ray-head-n1.log", "ray-worker-n2.log", "job.sbatch"):
+        assert (log_root / again / name).stat().st_size > 0, name
+    _wait("the second job's processes to end", lambda: not _job_processes(again), 30)
+    assert not list(Path("/tmp").glob(f"ray-rlvr-{again}-*"))
 
 
 def test_gpu_recipe_script_is_accepted_by_sbatch(local_slurm, tmp_path):

@@ -66,10 +66,8 @@ def test_waits_end_on_a_request_and_learner_work_only_on_a_second_one():
     stop = StopSignals()
     never_done: Future = Future()
     threading.Timer(0.3, stop.request).start()
-    started = time.monotonic()
     with pytest.raises(StopRequested, match="while waiting for the next batch"):
-        stop.result(never_done, "the next batch")
-    assert time.monotonic() - started < 5
+        stop.result(never_done, "the next batch")  # a future that never ends: only the request ends it
     finishing: Future = Future()
     threading.Timer(0.5, finishing.set_result, ["step done"]).start()
     assert stop.result(finishing, "a learner step", urgent_only=True) == "step done"  # let finish
@@ -119,13 +117,15 @@ def stop_and_resume(tmp_path: Path, mode: str, sig: signal.Signals, moment) -> s
         assert proc.poll() is None, (tmp_path / "run.log").read_text()[-3000:]
         time.sleep(0.1)
     everything = psutil.Process(proc.pid).children(recursive=True)
-    sent = time.monotonic()
     proc.send_signal(sig)
-    code = proc.wait(120)
-    took = time.monotonic() - sent
+    try:
+        code = proc.wait(STOP_BOUND_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"the run had not exited {STOP_BOUND_S} s after {sig.name} (the README's bound)")
     log = (tmp_path / "run.log").read_text()
     assert code == 130, log[-3000:]
-    assert took < STOP_BOUND_S, f"stopping took {took:.1f} s"
     last = [line for line in log.splitlines() if line.startswith("megatron-rlvr train:")]
     assert len(last) == 1 and f"stopped by {sig.name}" in last[0] and "every component was stopped" in last[0]
     _, alive = psutil.wait_procs(everything, timeout=30)

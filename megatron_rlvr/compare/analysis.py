@@ -1,17 +1,6 @@
 """From the runs' metrics.jsonl to numbers: per-run summaries (mean over all steps, first and
-last window), seeds aggregated as mean ± std, and the stability verdict per algorithm,
-off-policy degree and --vary variant. Plain Python, no torch: it can run on a laptop over copied-back runs.
-
-The verdict rule is explicit so that the report can state it and a reader can check it:
-  1. a run is disqualified by a reward collapse (its last-window reward more than
-     COLLAPSE below its best window) or a grad-norm spike (a step after the first window
-     above SPIKE × the run's median grad norm: the first steps from random weights are
-     atypical everywhere);
-  2. of the rest (all runs, if every one is disqualified), the most stable has the lowest
-     last-window train/inference mismatch KL (k3 KL between rollout and learner logprobs):
-     that KL is what routing replay exists to keep down, and it ends high both when it starts
-     high and when it grows.
-"""
+last window), seeds aggregated as mean ± std, and seed-mean curves. Plain Python, no torch: it
+can run on a laptop over copied-back runs. The stability verdict built on them: verdict.py."""
 
 from __future__ import annotations
 
@@ -22,8 +11,7 @@ from pathlib import Path
 
 from megatron_rlvr.compare.variants import NO_VARIANT, Variant
 
-COLLAPSE = 0.1
-SPIKE = 5.0
+MIN_WINDOW = 3
 MISMATCH = "train/mismatch_k3_kl"
 ENGINE_AGREEMENT = "train/routing_agreement_engine"
 
@@ -40,6 +28,7 @@ METRICS = (
     ("train/rollout_is_clipfrac", "tokens whose correction weight was bounded"),
     ("train/rollout_rs_masked_fraction", "tokens rejected (rollout_rs)"),
     ("train/approx_kl", "KL old → current policy (k3)"),
+    ("train/entropy", "policy entropy on the sampled tokens"),
     ("train/mismatch_abs_mean", "mismatch mean |Δlogp| rollout vs learner"),
     ("train/mismatch_abs_max", "mismatch max |Δlogp| rollout vs learner"),
     (MISMATCH, "mismatch KL rollout → learner (k3)"),
@@ -110,8 +99,9 @@ def metric_keys(results: list[RunResult]) -> list[tuple[str, str]]:
 
 
 def window_size(steps: int) -> int:
-    """Steps in the first and last windows: a fifth of the run, at least one."""
-    return max(1, steps // 5)
+    """Steps in the first and last windows: a fifth of the run, MIN_WINDOW at least (so that one
+    noisy step neither makes nor hides a collapse), the whole run at most."""
+    return min(steps, max(MIN_WINDOW, steps // 5))
 
 
 def series(rows: list[dict], key: str) -> list[float]:
@@ -169,74 +159,3 @@ def mean_curve(results: list[RunResult], combo: Combo, key: str) -> tuple[list[i
     steps = [s for s in sorted(per_step) if len(per_step[s]) == len(runs)]
     stats = [mean_std(per_step[s]) for s in steps]
     return steps, [m for m, _ in stats], [sd for _, sd in stats]
-
-
-# ----------------------------------------------------------------------------- stability
-@dataclass
-class Stability:
-    """The numbers behind one Combo's verdict (over its seeds)."""
-
-    combo: Combo
-    mismatch_first: float
-    mismatch_last: float
-    mismatch_peak: float
-    collapses: int  # seeds whose reward collapsed
-    spikes: int  # grad-norm spike steps, over all seeds
-    spike_ratio: float  # the largest grad norm after the first window over its run's median
-    reward_first: float
-    reward_last: float
-    natural_agreement: float | None  # learner's natural routing vs engine's, mean over steps
-    used_agreement: float | None  # routing the learner used vs engine's
-
-    @property
-    def growth(self) -> float:
-        return self.mismatch_last / self.mismatch_first if self.mismatch_first > 0 else float("inf")
-
-    @property
-    def disqualified(self) -> bool:
-        return bool(self.collapses or self.spikes)
-
-
-def _collapsed(rewards: list[float], window: int) -> bool:
-    if len(rewards) < window:
-        return False
-    windows = [statistics.fmean(rewards[i : i + window]) for i in range(len(rewards) - window + 1)]
-    return windows[-1] < max(windows) - COLLAPSE
-
-
-def _spikes(grad_norms: list[float], window: int) -> tuple[int, float]:
-    """(spike steps, largest grad norm over the median), both after the first window."""
-    later = grad_norms[window:]
-    median = statistics.median(grad_norms) if grad_norms else 0.0
-    if not later or median <= 0:
-        return 0, 0.0
-    return sum(g > SPIKE * median for g in later), max(later) / median
-
-
-def stability(results: list[RunResult], combo: Combo, window: int) -> Stability:
-    runs = [r for r in results if r.combo == combo]
-    spikes = [_spikes(series(r.rows, "train/grad_norm"), window) for r in runs]
-
-    def seed_mean(key: str, part: str) -> float | None:
-        values = [getattr(r.summaries[key], part) for r in runs if key in r.summaries]
-        return statistics.fmean(values) if values else None
-
-    return Stability(
-        combo=combo,
-        mismatch_first=seed_mean(MISMATCH, "first") or 0.0,
-        mismatch_last=seed_mean(MISMATCH, "last") or 0.0,
-        mismatch_peak=seed_mean(MISMATCH, "peak") or 0.0,
-        collapses=sum(_collapsed(series(r.rows, "reward/mean"), window) for r in runs),
-        spikes=sum(n for n, _ in spikes),
-        spike_ratio=max(ratio for _, ratio in spikes),
-        reward_first=seed_mean("reward/mean", "first") or 0.0,
-        reward_last=seed_mean("reward/mean", "last") or 0.0,
-        natural_agreement=seed_mean(ENGINE_AGREEMENT, "mean"),
-        used_agreement=seed_mean(f"{ENGINE_AGREEMENT}_used", "mean"),
-    )
-
-
-def most_stable(candidates: list[Stability]) -> Stability:
-    """The rule in this module's docstring."""
-    eligible = [s for s in candidates if not s.disqualified] or candidates
-    return min(eligible, key=lambda s: s.mismatch_last)

@@ -1,6 +1,6 @@
 """`megatron-rlvr compare-replay`: the same training run under several routing-replay modes,
-algorithms, off-policy degrees and algo settings (--vary), side by side, with a report of which
-one kept training stable and why.
+algorithms, off-policy degrees and algo settings (--vary), side by side, with a report of whether
+one kept training more stable than the others beyond the spread between seeds (compare/verdict.py).
 
     megatron-rlvr compare-replay CONFIG [key=value ...] --modes none,r2,r3 [--algos grpo,gspo]
         [--off-policy 1,2,4] [--vary algo.KEY=V1,V2 ...] [--steps N] [--seeds K] [--out DIR]
@@ -17,9 +17,11 @@ import sys
 from pathlib import Path
 from typing import get_args
 
-from megatron_rlvr.compare.plan import plan_runs
+from megatron_rlvr.compare.plan import CompareError, RunPlan, plan_runs, run_lock
 from megatron_rlvr.compare.variants import parse_vary
 from megatron_rlvr.config import AlgoConfig, load_config
+from megatron_rlvr.launch.slurm import add_job_options
+from megatron_rlvr.plan.command import add_submit_flags
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 MODES = get_args(AlgoConfig.model_fields["routing_replay"].annotation)
@@ -55,7 +57,8 @@ def _positive(text: str) -> int:
 
 def add_parser(sub) -> None:
     cmd = sub.add_parser(
-        "compare-replay", help="run routing-replay modes side by side and report which one keeps MoE training stable"
+        "compare-replay",
+        help="run routing-replay modes side by side and report whether one keeps MoE training more stable",
     )
     cmd.add_argument("config", help="YAML config, e.g. configs/compare-replay-cpu.yaml")
     cmd.add_argument("overrides", nargs="*", help="dotted overrides applied to every run")
@@ -77,15 +80,19 @@ def add_parser(sub) -> None:
         "algo.rollout_correction.rollout_is=token,sequence,null); repeat for every combination",
     )
     cmd.add_argument("--steps", type=_positive, help="steps per run; default: the config's trainer.steps")
-    cmd.add_argument("--seeds", type=_positive, default=1, help="seeds per combination (trainer.seed 0..K-1)")
+    cmd.add_argument(
+        "--seeds",
+        type=_positive,
+        default=1,
+        help="seeds per combination (trainer.seed 0..K-1); a verdict needs 2 at least",
+    )
     cmd.add_argument("--out", help="default: runs/compare-replay/<config name>")
-    slurm = cmd.add_argument_group("Slurm (with --submit)")
+    slurm = cmd.add_argument_group("Slurm (with --submit; the job options of `megatron-rlvr submit`)")
     slurm.add_argument("--submit", action="store_true", help="one Slurm job per run instead of running here")
     slurm.add_argument("--nodes", type=_positive, default=1, help="nodes per job")
-    slurm.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (0: CPU nodes)")
-    slurm.add_argument("--partition")
-    slurm.add_argument("--time", help="sbatch --time per job")
-    slurm.add_argument("--account")
+    slurm.add_argument("--gpus-per-node", type=int, help="GPUs per node (0: CPU nodes); needed with --submit")
+    add_job_options(slurm)
+    add_submit_flags(slurm)  # --gpu-memory, --link-gbps, --prompt-tokens, --no-memory-check
 
 
 def _setup_lines(args, cfg, steps: int, out: Path) -> list[str]:
@@ -110,7 +117,14 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
     finished ones; a second signal is passed on to the run, which then ends at once."""
     stop = stop or StopSignals()
     out = Path(args.out or Path("runs/compare-replay") / Path(args.config).stem).absolute()
-    plans = []
+    if args.submit and args.gpus_per_node is None:
+        raise CompareError("compare-replay --submit needs --gpus-per-node (0 for CPU-only nodes)")
+    with run_lock(out):
+        return _compare(args, stop, out)
+
+
+def _compare(args: argparse.Namespace, stop: StopSignals, out: Path) -> int:
+    plans: list[RunPlan] = []
     try:
         cfg = load_config(args.config, args.overrides)
         steps = args.steps or cfg.trainer.steps
@@ -131,16 +145,7 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
         if args.submit:
             from megatron_rlvr.compare.runner import submit
 
-            waiting = submit(
-                plans,
-                {
-                    "nodes": args.nodes,
-                    "gpus_per_node": args.gpus_per_node,
-                    "partition": args.partition,
-                    "time": args.time,
-                    "account": args.account,
-                },
-            )
+            waiting = submit(plans, args)
             if waiting:
                 print(
                     f"compare-replay: {len(waiting)} of {len(plans)} runs queued or running; run the same "
@@ -153,9 +158,12 @@ def main(args: argparse.Namespace, stop: StopSignals | None = None) -> int:
             run_local(plans, stop)
         from megatron_rlvr.compare.report import write_report
 
-        verdicts = write_report(
-            out, [p.result() for p in plans], _setup_lines(args, cfg, steps, out), steps, args.seeds
-        )
+        setup = _setup_lines(args, cfg, steps, out) + [
+            f"Run `{p.name}` ended at step {p.steps_logged()} of {steps}: {p.ended_early()}"
+            for p in plans
+            if p.ended_early()
+        ]
+        verdicts = write_report(out, [p.result() for p in plans], setup, steps, args.seeds)
     except StopRequested as err:
         finished = sum(p.finished() for p in plans)
         print(

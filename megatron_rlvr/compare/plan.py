@@ -6,16 +6,21 @@ What must not differ between runs does not: every run starts from the same initi
 the same model.init_seed, bit for bit), and a seed fixes the data order and rollout sampling
 (trainer.seed). Every run captures the
 engine's routing, so that learner/engine routing agreement is measured in every mode, not
-only under R3. A run is finished when its metrics.jsonl has every step and its DONE marker,
-written after the run completed, exists; a comparison run again skips finished runs. Runs of
+only under R3. A run is finished when its DONE marker, written after the run completed, exists
+and its metrics.jsonl has every step, or the marker says why train ended it early (nothing left
+to learn: every prompt always or never solved); a comparison run again skips finished runs. Runs of
 another config, step count or set of --vary values in the same --out are refused."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import fcntl
 import itertools
 import json
+import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,14 +57,25 @@ class RunPlan:
     def steps_logged(self) -> int:
         return len({row["step"] for row in read_metrics(self.dir / "metrics.jsonl")} & set(range(1, self.steps + 1)))
 
-    def finished(self) -> bool:
-        return (self.dir / DONE).exists() and self.steps_logged() == self.steps
+    def _done(self) -> dict | None:
+        path = self.dir / DONE
+        return json.loads(path.read_text()) if path.exists() else None
 
-    def mark_done(self, seconds: float | None = None) -> None:
-        (self.dir / DONE).write_text(
-            json.dumps({"steps": self.steps, "seconds": seconds, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")})
-            + "\n"
-        )
+    def finished(self) -> bool:
+        """Every step logged, or a run that ended early with its reason (ended_early)."""
+        done = self._done()
+        return done is not None and (self.steps_logged() == self.steps or bool(done.get("ended_early")))
+
+    def ended_early(self) -> str | None:
+        """Why a finished run logged fewer steps than asked (train's own words), else None."""
+        done = self._done()
+        return done.get("ended_early") if done else None
+
+    def mark_done(self, seconds: float | None = None, ended_early: str | None = None) -> None:
+        record = {"steps": self.steps, "seconds": seconds, "finished_at": time.strftime("%Y-%m-%d %H:%M:%S")}
+        if ended_early:
+            record.update(ended_early=ended_early, steps_logged=self.steps_logged())
+        (self.dir / DONE).write_text(json.dumps(record) + "\n")
 
     def result(self) -> RunResult:
         return RunResult(self.combo, self.seed, read_metrics(self.dir / "metrics.jsonl"))
@@ -147,3 +163,27 @@ def plan_runs(
         plans.append(plan)
     (out / COMPARISON).write_text("".join(record.values()))
     return plans
+
+
+@contextlib.contextmanager
+def run_lock(out: Path) -> Iterator[None]:
+    """One compare-replay at a time in `out` (two would run, submit or mark the same runs):
+    an exclusive lock on <out>/.lock, held while the command works, released however it ends."""
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / ".lock", "a+") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "another process"
+            raise CompareError(
+                f"--out {out} is in use by another compare-replay ({holder}); wait for it to end or give another --out"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(f"pid {os.getpid()}, since {time.strftime('%H:%M:%S')}\n")
+        lock.flush()
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)

@@ -14,6 +14,7 @@ import statistics
 from pathlib import Path
 
 from megatron_rlvr.compare import analysis as an
+from megatron_rlvr.compare import verdict as vd
 
 MODE_COLORS = {"none": "tab:red", "r2": "tab:orange", "r3": "tab:green"}
 DEGREE_STYLES = ("-", "--", ":", "-.")
@@ -173,89 +174,180 @@ def _pct(value: float | None) -> str:
     return "—" if value is None else f"{100 * value:.1f}%"
 
 
-def verdict(candidates: list[an.Stability], steps: int) -> str:
-    """One paragraph: which mode was most stable at this algorithm, off-policy degree and
-    variant, and the numbers that say why."""
-    best = an.most_stable(candidates)
-    c = best.combo
+def _kl(values: list[float]) -> str:
+    if not values:
+        return "missing"
+    std = f" ± {statistics.stdev(values):.1e}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values):.1e}{std}"
 
-    def trend(s: an.Stability) -> str:
-        return (
-            f"{s.combo.mode}'s mismatch KL went {s.mismatch_first:.1e} → {s.mismatch_last:.1e} "
-            f"({s.growth:.1f}×, peak {s.mismatch_peak:.1e})"
-        )
 
-    others = [s for s in candidates if s is not best]
+def _value(m: vd.ModeNumbers, c: vd.Criterion) -> str:
+    """A criterion over a mode's seeds, mean ± std in its unit; 'missing' where no run logged it."""
+    values = m.values[c.key]
+    if not values:
+        return "missing"
+    if c.counted:
+        return f"{m.flagged(c)} of {len(values)}"
+    std = f" ± {c.show(statistics.stdev(values))}" if len(values) > 1 else ""
+    return f"{c.show(statistics.fmean(values))}{std}"
+
+
+def _flagged(m: vd.ModeNumbers, c: vd.Criterion) -> str:
+    if c.counted or not m.values[c.key]:
+        return _value(m, c)
+    return f"{_value(m, c)} ({m.flagged(c)} of {len(m.values[c.key])})"
+
+
+def _share(values: list[float]) -> str:
+    if not values:
+        return "missing"
+    std = f" ± {statistics.stdev(values):.0%}" if len(values) > 1 else ""
+    return f"{statistics.fmean(values):.0%}{std}"
+
+
+def _versus(a: vd.ModeNumbers, b: vd.ModeNumbers, c: vd.Criterion) -> str:
+    return f"{c.label} {a.combo.mode} {_value(a, c)} vs {b.combo.mode} {_value(b, c)}"
+
+
+def _seeds(modes: list[vd.ModeNumbers]) -> str:
+    counts = {m.seeds for m in modes}
+    if len(counts) == 1:
+        n = counts.pop()
+        return f"{n} seed{'s' if n > 1 else ''} per mode"
+    return "seeds " + ", ".join(f"{m.combo.mode} {m.seeds}" for m in modes)
+
+
+def _comparisons(v: vd.Verdict) -> str:
+    """What the pairs of modes show, for a verdict without a most stable mode."""
+    said = []
+    for p in v.pairs:
+        better = p.more_stable()
+        if better is not None:
+            other = p.other(better)
+            said.append(
+                f"{better.combo.mode} was more stable than {other.combo.mode} ("
+                + ", ".join(_versus(better, other, c) for c in p.lower(better))
+                + ")"
+            )
+        elif p.lower(p.a) and p.lower(p.b):
+            said.append(
+                f"{p.a.combo.mode} and {p.b.combo.mode} differ both ways ("
+                + ", ".join(_versus(p.a, p.b, c) for c in p.lower(p.a) + p.lower(p.b))
+                + ")"
+            )
+    if said:
+        text = "; ".join(said) + "; no mode was more stable than every other"
+    else:
+        r, g, e = (c.label for c in vd.CRITERIA)
+        text = f"no mode's {r}, {g} or {e} differs from another's beyond the spread of {_seeds(v.modes)}"
+    closest = v.closest()
+    if closest is None:
+        floors = ", ".join(f"{c.label} {c.show(c.floor)}" for c in vd.CRITERIA if not c.counted)
+        rest = "The other differences are" if said else "Every difference is"
+        return f"{text}. {rest} within the rule's floors ({floors}) or missing on one side: more seeds would not make one count."
+    pair, c = closest
+    seeds = pair.gaps[c.key].seeds or 0
+    needed = f"more than {vd.MAX_SEEDS:,}" if seeds > vd.MAX_SEEDS else f"about {seeds}"
+    return (
+        f"{text}. The closest difference, {_versus(pair.a, pair.b, c)}, would take {needed} seeds per mode "
+        "to resolve at this spread."
+    )
+
+
+def verdict(v: vd.Verdict) -> str:
+    """One paragraph: which mode, if any, was most stable at this algorithm, off-policy degree and
+    variant, the numbers that say why, and the mismatch KL beside them (never ranked)."""
+    c = v.modes[0].combo
     varied = f", {c.variant.label}" if c.variant.settings else ""
     text = f"At {c.off_policy}× off-policy ({c.algo}{varied}), "
-    if others:
+    if v.winner is not None:
+        w = v.winner
         text += (
-            f"**{c.mode}** was most stable: over {steps} steps {trend(best)}, while {', '.join(map(trend, others))}."
-        )
-    else:
-        text += f"only {c.mode} ran: over {steps} steps {trend(best)}."
-    troubled = [s for s in candidates if s.disqualified]
-    for s in troubled:
-        what = []
-        if s.collapses:
-            what.append(
-                f"reward collapsed in {s.collapses} seed(s) ({fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)})"
+            f"**{w.combo.mode}** was most stable, beyond the spread of {_seeds(v.modes)}: "
+            + "; ".join(
+                f"against {p.other(w).combo.mode}, " + ", ".join(_versus(w, p.other(w), crit) for crit in p.lower(w))
+                for p in v.pairs
+                if w in (p.a, p.b)
             )
-        if s.spikes:
-            what.append(f"{s.spikes} grad-norm spike(s), up to {s.spike_ratio:.0f}× its median")
-        text += f" {s.combo.mode}: {' and '.join(what)}."
-    if not troubled:
-        text += " No run had a reward collapse or a grad-norm spike."
-    elif best.disqualified and others:
-        text += " Every run was disqualified, so the lowest mismatch decided."
+            + "."
+        )
+    elif len(v.modes) < 2:
+        text += f"only {c.mode} ran ({_seeds(v.modes)}): there is nothing to compare it with."
+    else:
+        text += "**no difference shown at this scale**: "
+        text += ("; ".join(v.blockers) + ".") if v.blockers else _comparisons(v)
+    if vd.judgeable(v.steps):
+        text += (
+            f" Over {_seeds(v.modes)}, mean ± std (runs flagged): "
+            + "; ".join(
+                f"{crit.label} " + ", ".join(f"{m.combo.mode} {_flagged(m, crit)}" for m in v.modes)
+                for crit in vd.CRITERIA
+            )
+            + " (entropy kept, last window over first: "
+            + ", ".join(f"{m.combo.mode} {_share(m.entropy_left)}" for m in v.modes)
+            + ")."
+        )
     text += (
-        " Reward, first → last window: "
-        + "; ".join(f"{s.combo.mode} {fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}" for s in candidates)
+        f" Reward, first → last {v.window}-step window: "
+        + "; ".join(f"{m.combo.mode} {seeds_pm(m.reward_first)} → {seeds_pm(m.reward_last)}" for m in v.modes)
+        + ". Mismatch KL, last window (shown, not ranked: R3 lowers it by construction): "
+        + "; ".join(f"{m.combo.mode} {_kl(m.mismatch_last)}" for m in v.modes)
         + "."
     )
-    agreements = [s for s in candidates if s.natural_agreement is not None]
+    agreements = [m for m in v.modes if m.natural_agreement is not None]
     if agreements:
         text += (
             " Learner/engine routing agreement, natural vs used: "
-            + "; ".join(f"{s.combo.mode} {_pct(s.natural_agreement)} vs {_pct(s.used_agreement)}" for s in agreements)
+            + "; ".join(f"{m.combo.mode} {_pct(m.natural_agreement)} vs {_pct(m.used_agreement)}" for m in agreements)
             + "."
         )
     return text
 
 
-def side_by_side(stabilities: list[an.Stability], seeds: int) -> tuple:
+def side_by_side(modes: list[vd.ModeNumbers]) -> tuple:
     """One row per combination with the numbers the rule reads, in the groups' order, so that
     variants (a correction, a baseline) compare across groups, not only the modes within one."""
     rows = [
         [
-            s.combo.label(),
-            f"{fmt(s.reward_first, 2)} → {fmt(s.reward_last, 2)}",
-            f"{s.collapses} of {seeds}",
-            f"{s.spikes} (up to {s.spike_ratio:.0f}×)" if s.spikes else "0",
-            f"{s.mismatch_last:.1e}",
-            _pct(s.natural_agreement),
+            m.combo.label(),
+            str(m.seeds),
+            f"{seeds_pm(m.reward_first)} → {seeds_pm(m.reward_last)}",
+            *[_flagged(m, c) for c in vd.CRITERIA],
+            _share(m.entropy_left),
+            _kl(m.mismatch_last),
+            _pct(m.natural_agreement),
         ]
-        for s in sorted(stabilities, key=lambda s: (s.combo.group, s.combo.mode))
+        for m in sorted(modes, key=lambda m: (m.combo.group, m.combo.mode))
     ]
     head = [
         "combination",
+        "seeds",
         "reward, first → last window",
-        "reward collapsed (seeds)",
-        "grad-norm spikes",
-        "mismatch KL, last window",
+        *[f"{c.label} (runs)" if c.counted else f"{c.label} (runs with a {c.flag})" for c in vd.CRITERIA],
+        "entropy kept, last window over first",
+        "mismatch KL, last window (not ranked)",
         "routing agreement with engine",
     ]
     return ("table", head, rows)
 
 
-RULE = (
-    f"Rule: a run is disqualified if its last-window reward is more than {an.COLLAPSE} below its "
-    f"best window (reward collapse) or, after the first window, any step's grad norm exceeds "
-    f"{an.SPIKE:g}× the run's median (grad-norm spike; the first steps from random weights are atypical "
-    "everywhere). Of the remaining runs (all, if none remains), the most stable has the lowest "
-    "last-window mismatch KL, the k3 estimate of KL(rollout ‖ learner) on the sampled tokens. "
-    "Windows are the first and last fifth of the steps; seeds are averaged."
-)
+def rule(steps: int) -> str:
+    window = an.window_size(steps)
+    r, g, e = vd.CRITERIA
+    return (
+        "Rule: stability is judged by what routing replay does not lower by construction: the reward drop "
+        f"(the best window's mean reward minus the last window's; a collapse above {r.show(r.limit)}), the "
+        "grad-norm peak (the largest grad norm after the first window over the run's median; a spike above "
+        f"{g.show(g.limit)}) and entropy collapse (the last window keeping less than {vd.ENTROPY_KEPT:.0%} of "
+        "the first window's policy entropy; a policy that learns loses entropy, so only a collapse counts). "
+        "A mode is more stable than another when one of these, averaged over seeds, is lower by more than "
+        f"its floor ({r.show(r.floor)}, {g.show(g.floor)}) and by more than Student's t (95%) times the "
+        "standard error of the difference, and none is higher by as much; the most stable mode is more "
+        "stable than every other. That takes two seeds per mode at least (--seeds). The mismatch KL (k3 "
+        "estimate of KL(rollout ‖ learner)) is shown beside them and ranks nothing: R3 lowers it by "
+        f"construction. Windows here are {window} steps (a fifth of the run, {an.MIN_WINDOW} at least; a "
+        "run shorter than two windows is not judged); a metric a run did not log is shown as missing."
+    )
 
 
 # ----------------------------------------------------------------------------- rendering
@@ -314,18 +406,17 @@ def write_report(out: Path, results: list[an.RunResult], setup: list[str], steps
     table = an.aggregate(results, [k for k, _ in keys])
     write_table(out, table, keys, seeds)
     plots = write_plots(out, results, keys)
-    stabilities = [an.stability(results, c, window) for c in table]
-    verdicts = [
-        verdict([s for s in stabilities if s.combo.group == group], steps) for group in sorted({c.group for c in table})
-    ]
+    modes = [vd.mode_numbers([r for r in results if r.combo == c], window) for c in table]
+    judged = [vd.judge([m for m in modes if m.combo.group == g], steps) for g in sorted({c.group for c in table})]
+    verdicts = [verdict(v) for v in judged]
     blocks = [
         ("h1", "Routing replay comparison"),
         *[("p", line) for line in setup],
         ("h2", "Which mode kept training stable"),
         *[("p", v) for v in verdicts],
-        ("p", RULE),
+        ("p", rule(steps)),
         ("h2", "Every combination side by side"),
-        side_by_side(stabilities, seeds),
+        side_by_side(modes),
         ("h2", "Metrics"),
         *table_blocks(table, keys, seeds),
         ("h2", "Curves"),

@@ -29,6 +29,15 @@ def _error_line(log: Path) -> str:
     return (errors[:1] or lines[-1:] or ["no output"])[0]
 
 
+def ended_early(log: Path) -> str | None:
+    """train's own reason for a run that finished (exit 0) short of its steps: the line it
+    prints then ("megatron-rlvr train: no prompt has anything left to teach ..."), else None."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    said = [m.group(1) for m in re.finditer(r"^megatron-rlvr train: (.+)$", text, flags=re.M)]
+    said = [line for line in said if not line.startswith(("finished, but stopping failed", "stopped by"))]
+    return said[-1].strip() if said else None
+
+
 def run_local(plans: list[RunPlan], stop: StopSignals, out=None) -> None:
     """Runs every unfinished plan, in order; raises CompareError when one fails and
     StopRequested when asked to stop."""
@@ -49,14 +58,18 @@ def run_local(plans: list[RunPlan], stop: StopSignals, out=None) -> None:
     try:
         for number, plan in enumerate(todo, start=done + 1):
             bar.set_description(f"[{number}/{len(plans)}] {plan.name}")
-            seconds = _train(plan, bar, stop)
-            plan.mark_done(seconds)
-            bar.write(f"{plan.name}: finished in {seconds:.0f} s", file=out)
+            seconds, early = _train(plan, bar, stop)
+            plan.mark_done(seconds, ended_early=early)
+            if early:
+                bar.write(f"{plan.name}: ended at step {plan.steps_logged()} of {plan.steps}: {early}", file=out)
+            else:
+                bar.write(f"{plan.name}: finished in {seconds:.0f} s", file=out)
     finally:
         bar.close()
 
 
-def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
+def _train(plan: RunPlan, bar, stop: StopSignals) -> tuple[float, str | None]:
+    """Runs train on the plan; its seconds, and why it ended early when it did."""
     started = time.monotonic()
     counted = 0
     with open(plan.dir / "train.log", "w") as log:
@@ -82,63 +95,92 @@ def _train(plan: RunPlan, bar, stop: StopSignals) -> float:
     bar.update(plan.steps_logged() - counted)
     if child.returncode == 130 or stop.requested:
         raise StopRequested(stop.signal_name or "SIGTERM", f"during run {plan.name}")
-    if child.returncode != 0 or plan.steps_logged() != plan.steps:
+    early = ended_early(plan.dir / "train.log") if child.returncode == 0 and plan.steps_logged() < plan.steps else None
+    if child.returncode != 0 or (plan.steps_logged() != plan.steps and early is None):
         raise CompareError(
             f"run {plan.name} failed (exit code {child.returncode}): "
             f"{_error_line(plan.dir / 'train.log')} (log: {plan.dir / 'train.log'})"
         )
-    return time.monotonic() - started
+    return time.monotonic() - started, early
 
 
 # ----------------------------------------------------------------------------- Slurm
-def submit(plans: list[RunPlan], options: dict, out=None) -> list[RunPlan]:
-    """One Slurm job per unfinished run that has no live job (a run whose job completed with
-    every step logged is marked finished). Returns the runs still queued or running."""
-    try:
-        from megatron_rlvr.launch import slurm
-    except ImportError:
-        raise CompareError(
-            "--submit is not available: this install has no Slurm submission (megatron_rlvr.launch.slurm)"
-        ) from None
+UNKNOWN_TRIES = 3  # a job scontrol and sacct do not know is asked about this often
+UNKNOWN_WAIT_S = 2.0  # this far apart, before it is left alone (never submitted twice)
+
+
+def _job_state(slurm, job_id: str, out) -> str:
+    """The job's state; UNKNOWN (neither scontrol nor sacct answered) is asked again a few
+    times before it is believed."""
+    for attempt in range(UNKNOWN_TRIES):
+        state, _, _ = slurm.job_state(job_id)
+        if state != "UNKNOWN":
+            return state
+        if attempt + 1 < UNKNOWN_TRIES:
+            time.sleep(UNKNOWN_WAIT_S)
+    return state
+
+
+def _collect(plan: RunPlan, job_id: str, state: str, slurm, out) -> str:
+    """What a known job means for its run: "done", "waiting" or "again" (submit it anew)."""
+    if state == "UNKNOWN":
+        print(
+            f"{plan.name}: job {job_id}: neither scontrol nor sacct knows it after {UNKNOWN_TRIES} tries; "
+            f"not submitted again (remove {plan.dir / 'slurm_job'} to submit this run anew)",
+            file=out,
+        )
+        return "waiting"
+    if state not in slurm.FINAL_STATES:
+        print(f"{plan.name}: job {job_id} {state}", file=out)
+        return "waiting"
+    if state == "COMPLETED" and plan.steps_logged() == plan.steps:
+        plan.mark_done()
+        print(f"{plan.name}: job {job_id} completed", file=out)
+        return "done"
+    early = ended_early(plan.dir / "slurm" / job_id / "driver.log") if state == "COMPLETED" else None
+    if early:
+        plan.mark_done(ended_early=early)
+        print(f"{plan.name}: job {job_id} completed at step {plan.steps_logged()} of {plan.steps}: {early}", file=out)
+        return "done"
+    print(
+        f"{plan.name}: job {job_id} ended {state} with {plan.steps_logged()} of {plan.steps} "
+        "steps logged; submitting again",
+        file=out,
+    )
+    return "again"
+
+
+def submit(plans: list[RunPlan], args, out=None) -> list[RunPlan]:
+    """One Slurm job per unfinished run that has no live job, with the job options of `submit`
+    (args: the command's parsed options). A run whose job completed with every step logged,
+    or ended early saying why, is marked finished; a job whose state is unknown is never
+    submitted again. Returns the runs still queued, running or unknown."""
     from megatron_rlvr.config import load_config
+    from megatron_rlvr.launch import slurm
+    from megatron_rlvr.plan import command as memory_plan
 
     out = out or sys.stdout
     waiting = []
+    checked = False
     for plan in plans:
         if plan.finished():
             continue
         job_file = plan.dir / "slurm_job"
         if job_file.exists():
             job_id = job_file.read_text().strip()
-            state, _, _ = slurm.job_state(job_id)
-            if state == "COMPLETED" and plan.steps_logged() == plan.steps:
-                plan.mark_done()
-                print(f"{plan.name}: job {job_id} completed", file=out)
-                continue
-            if state not in slurm.FINAL_STATES and state != "UNKNOWN":
-                print(f"{plan.name}: job {job_id} {state}", file=out)
+            fate = _collect(plan, job_id, _job_state(slurm, job_id, out), slurm, out)
+            if fate == "waiting":
                 waiting.append(plan)
+            if fate != "again":
                 continue
-            print(
-                f"{plan.name}: job {job_id} ended {state} with {plan.steps_logged()} of {plan.steps} "
-                "steps logged; submitting again",
-                file=out,
-            )
         try:
             cfg = load_config(plan.config)
-            resources = slurm.plan(cfg, options["nodes"], options["gpus_per_node"])
+            resources = slurm.plan(cfg, args.nodes, args.gpus_per_node)
+            if not checked:  # every run has the same layout: one memory check
+                memory_plan.submit_check(cfg, args)
+                checked = True
             slurm.check_inputs_present(cfg)
-            spec = slurm.JobSpec(
-                config=plan.config,
-                overrides=[],
-                nodes=options["nodes"],
-                gpus_per_node=options["gpus_per_node"],
-                log_root=plan.dir / "slurm",
-                job_name=f"rlvr-{plan.name}",
-                partition=options.get("partition"),
-                time=options.get("time"),
-                account=options.get("account"),
-            )
+            spec = slurm.job_spec(args, cfg, plan.config, [], plan.dir / "slurm", f"rlvr-{plan.name}")
             script = slurm.render(spec, resources)
             spec.log_root.mkdir(parents=True, exist_ok=True)
             job_id = slurm.sbatch(script)

@@ -69,6 +69,7 @@ class ResolvedWeightSync(WeightSyncConfig):
     backend: Literal["gloo", "nccl"] = _filled(WeightSyncConfig, "backend")
     checksum: bool = _filled(WeightSyncConfig, "checksum")
     parity_tolerance: float | None = _filled(WeightSyncConfig, "parity_tolerance")
+    engine_wait_s: float = _filled(WeightSyncConfig, "engine_wait_s")
 
 
 class ResolvedFileSource(FileSource):
@@ -159,12 +160,14 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             "weight_sync.pause_mode = abort: rollout.updates = in_flight continues sequences across "
             "a sync, abort would end them (use in_place or retract)"
         )
-    elif r.updates == "in_flight" and a.routing_replay == "r3" and cfg.weight_sync.pause_mode != "in_place":
+    elif a.routing_replay == "r3" and cfg.weight_sync.pause_mode == "retract" and (straddle := _straddles(cfg)):
+        # a sync lands while sequences are generating: retract re-prefills them under the new
+        # weights, and the engine then reports the new weights' routing for their earlier tokens
         problems.append(
-            f"weight_sync.pause_mode = {cfg.weight_sync.pause_mode}: with rollout.updates = in_flight and "
-            "algo.routing_replay = r3 the pause must be in_place; a retracted sequence is routed again "
-            "under the new weights, so the routing replayed for its earlier tokens would not be the one "
-            "that produced them"
+            f"weight_sync.pause_mode = retract: with {straddle} and algo.routing_replay = r3 the pause must be "
+            + ("in_place" if r.updates == "in_flight" else "in_place (or abort, which ends them)")
+            + "; a retracted sequence is routed again under the new weights, so the routing "
+            "replayed for its earlier tokens would not be the one that produced them"
         )
     if a.clip_ratio_c is not None and a.kind != "grpo":
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
@@ -202,6 +205,16 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
     if cfg.trainer.min_lr > cfg.trainer.lr:
         problems.append(f"trainer.min_lr = {cfg.trainer.min_lr}: must be <= trainer.lr ({cfg.trainer.lr})")
     return problems
+
+
+def _straddles(cfg: Config) -> str | None:
+    """The setting under which sequences are generating while a weight sync lands (None:
+    the engines are drained before every sync)."""
+    if cfg.rollout.updates == "in_flight":
+        return "rollout.updates = in_flight"
+    if cfg.buffer.async_rollout:
+        return "buffer.async_rollout = true"
+    return None
 
 
 def _engine_problems(cfg: Config) -> list[str]:
@@ -296,6 +309,11 @@ def _engine_python_problems(python: str, backend: str) -> list[str]:
     return []
 
 
+# what a restart adds to an engine's start before it loads: the run sees the engine dead
+# (EngineClient.state, a few 5 s questions) and the old process is stopped (launch/engines.py)
+RESTART_NOTICE_S = 60.0
+
+
 def _seeds_follow_trainer(cfg: Config) -> None:
     """trainer.seed is the run's one seed: data.seed and eval.seed that the config does not
     give take its value, so runs that differ in trainer.seed alone differ in the problems
@@ -342,6 +360,8 @@ def resolve(cfg: Config) -> ResolvedConfig:
         sync.checksum = isinstance(engine, CpuEngine)
     if isinstance(engine, SglangEngine) and engine.python is not None and "/" in engine.python:
         engine.python = os.path.abspath(engine.python)  # not resolve(): a venv's python is a symlink
+    if sync.engine_wait_s is None:
+        sync.engine_wait_s = cfg.rollout.start_timeout_s + RESTART_NOTICE_S
     if sync.parity_tolerance == "auto":
         dtypes = {engine.dtype, cfg.trainer.dtype}
         sync.parity_tolerance = max(PARITY_TOLERANCE[d] for d in dtypes)

@@ -194,6 +194,14 @@ class AlgoConfig(Section):
         "exploration alive where groups would collapse to one answer",
     )
     num_minibatches: PositiveInt = Field(1, description="optimizer steps per rollout batch (>1 is off-policy)")
+    epochs: int = Field(
+        1,
+        ge=1,
+        le=64,
+        description="passes over each rollout batch (verl's ppo_epochs), each split into num_minibatches "
+        "optimizer steps in the same order; passes after the first train off-policy (train/last_epoch/* "
+        "says how far they drifted)",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -386,6 +394,13 @@ class WeightSyncConfig(Section):
         "auto",
         description="max |logprob diff| of the post-sync probe; auto: from the engine's and "
         "learner's dtypes (see PARITY_TOLERANCE); None: probe off",
+    )
+    engine_wait_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="how long a sync waits for an engine to answer when none does (every one "
+        "restarting, loading the model); None: rollout.start_timeout_s + 60 (a restart is a "
+        "start, and the restart is noticed first)",
     )
     refusal_wait_s: float = Field(
         0.5,

@@ -268,17 +268,19 @@ class InProcess(Placement):
 
 class RayActors(Placement):
     """Every component a Ray actor on a local Ray or an existing cluster. On CUDA, learner
-    ranks take one GPU each from one placement group, handed out node by node so that
-    consecutive ranks (tensor- and expert-parallel groups) share a node; SGLang engines take
-    their tensor-parallel GPUs; everything else takes a sliver of a CPU."""
+    ranks take one GPU each from one placement group, reserved first and packed, handed out
+    node by node so that consecutive ranks (tensor- and expert-parallel groups) share a node;
+    SGLang engines take their tensor-parallel GPUs from a group reserved after it; everything
+    else takes a sliver of a CPU."""
 
     kind = "ray"
     SLIVER = {"num_cpus": 0.01}
 
     def __init__(self, cfg: ResolvedConfig):
         super().__init__(cfg)
-        self._learner_bundles: list[int] | None = None
-        self._group: Any = None  # Ray's PlacementGroup for the learner ranks, once made
+        self._learner_bundles: list[int] | None = None  # rank -> bundle, ranks node by node
+        self._group: Any = None  # Ray's PlacementGroup for the learner ranks (CUDA learners)
+        self._engine_group: Any = None  # and for the SGLang engines on CUDA, one bundle each
 
     @contextlib.contextmanager
     def session(self, temp_dir: str):
@@ -286,17 +288,58 @@ class RayActors(Placement):
 
         with ray_session(self.cfg, temp_dir):
             try:
+                self._reserve_gpus()
                 yield self
             finally:
-                self._remove_group()
+                self._remove_groups()
 
-    def _remove_group(self) -> None:
+    def _reserve_gpus(self) -> None:
+        """Reserves the learner's GPUs, then the engines', before anything is placed: the
+        learner's group is packed onto as few nodes as it fits (so its tensor-, expert- and
+        pipeline-parallel neighbours do not cross the network) and the engines take what is
+        left. Engines started first outside any group would be spread one per node by Ray's
+        default policy and leave the learner a few GPUs on every node."""
         import ray
 
-        if self._group is not None:
-            with contextlib.suppress(Exception):
-                ray.util.remove_placement_group(self._group)
-            self._group = None
+        timeout_s = float(os.environ.get("RLVR_PLACEMENT_TIMEOUT_S", 600))
+        p, engine = self.cfg.parallel, self.cfg.rollout.engine
+        if p.device == "cuda":
+            world = p.tp * p.pp * p.dp
+            self._group = self._ready(
+                ray.util.placement_group([{"GPU": 1, "CPU": 1}] * world, strategy="PACK"), timeout_s, "the learner's"
+            )
+            nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
+            self._learner_bundles = sorted(range(world), key=lambda b: (nodes[b], b))
+        if engine.type == "sglang" and engine.device == "cuda":
+            bundles = [{"GPU": engine.tp, "CPU": 0.01}] * self.cfg.rollout.num_engines
+            self._engine_group = self._ready(
+                ray.util.placement_group(bundles, strategy="PACK"), timeout_s, "the engines'"
+            )
+
+    @staticmethod
+    def _ready(group: Any, timeout_s: float, whose: str) -> Any:
+        import ray
+
+        try:
+            ray.get(group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(group)
+            from megatron_rlvr.launch.cluster import ClusterError
+
+            raise ClusterError(
+                f"Ray could not reserve {whose} GPUs within {timeout_s:g} s (RLVR_PLACEMENT_TIMEOUT_S): "
+                "are other jobs holding GPUs of this cluster?"
+            ) from None
+        return group
+
+    def _remove_groups(self) -> None:
+        import ray
+
+        for group in (self._group, self._engine_group):
+            if group is not None:
+                with contextlib.suppress(Exception):
+                    ray.util.remove_placement_group(group)
+        self._group = self._engine_group = None
 
     def share(self, value: Any) -> Any:
         import ray
@@ -304,36 +347,32 @@ class RayActors(Placement):
         return ray.put(value)
 
     def _options(self, role: Role, index: int) -> dict:
-        engine = self.cfg.rollout.engine
-        if role is Role.LEARNER_RANK and self.cfg.parallel.device == "cuda":
-            return self._learner_bundle(index)
-        if role is Role.ENGINE:
-            # two threads: stop() must be able to interrupt a start() waiting for health
-            gpus = engine.tp if engine.type == "sglang" and engine.device == "cuda" else 0
-            return {"max_concurrency": 2, **({"num_gpus": gpus} if gpus else self.SLIVER)}
-        return dict(self.SLIVER)
-
-    def _learner_bundle(self, rank: int) -> dict:
-        """One GPU bundle per rank of a placement group, ranks assigned to bundles node by
-        node (Megatron puts tensor-parallel, then expert-parallel neighbours on consecutive
-        ranks: they should not cross the network)."""
-        import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        if self._learner_bundles is None:
-            p = self.cfg.parallel
-            world = p.tp * p.pp * p.dp
-            self._group = ray.util.placement_group([{"GPU": 1, "CPU": 1}] * world, strategy="PACK")
-            ray.get(self._group.ready(), timeout=float(os.environ.get("RLVR_PLACEMENT_TIMEOUT_S", 600)))
-            nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
-            self._learner_bundles = sorted(range(world), key=lambda b: (nodes[b], b))
-        return {
-            "num_gpus": 1,
-            "num_cpus": 1,
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(
-                self._group, placement_group_bundle_index=self._learner_bundles[rank]
-            ),
-        }
+        if role is Role.LEARNER_RANK and self._group is not None:
+            # ranks take bundles node by node: Megatron puts tensor-, then expert-parallel
+            # neighbours on consecutive ranks, which should share a node
+            assert self._learner_bundles is not None
+            return {
+                "num_gpus": 1,
+                "num_cpus": 1,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._group, placement_group_bundle_index=self._learner_bundles[index]
+                ),
+            }
+        if role is Role.ENGINE:
+            # two threads: stop() must be able to interrupt a start() waiting for health
+            if self._engine_group is None:
+                return {"max_concurrency": 2, **self.SLIVER}
+            return {
+                "max_concurrency": 2,
+                "num_gpus": self._engine_group.bundle_specs[index]["GPU"],
+                **self.SLIVER,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._engine_group, placement_group_bundle_index=index
+                ),
+            }
+        return dict(self.SLIVER)
 
     def place(self, role: Role, cls: type, *args, index: int = 0, **kwargs) -> Handle:
         import ray

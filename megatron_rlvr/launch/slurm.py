@@ -25,6 +25,7 @@ from pathlib import Path
 from megatron_rlvr import run_dir
 from megatron_rlvr.config import HFModel, ResolvedConfig, SglangEngine, data_sources, load_config
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.plan import command as memory_plan
 
 TEMPLATE = Path(__file__).resolve().parents[2] / "slurm" / "ray-train.sbatch"
 FINAL_STATES = {
@@ -134,6 +135,29 @@ def check_inputs_present(cfg: ResolvedConfig) -> None:
             raise SubmitError(f"{where}.path = {missing[0]!r}: no such file")
 
 
+# ----------------------------------------------------------------------------- stopping in time
+STEP_ALLOWANCE_S = 120  # the step in progress when the signal comes finishes first
+CHECKPOINT_WRITE_BYTES_S = 1e9  # an assumed aggregate write rate to the shared file system
+CHECKPOINT_BYTES_PER_PARAM = 14  # bf16 weights + fp32 master weights, Adam m and v
+CHECKPOINT_DTYPE_BYTES = 2  # the HF checkpoint's bytes a parameter (bf16)
+
+
+def stop_grace(cfg: ResolvedConfig) -> tuple[int, str]:
+    """Seconds between the stop signal and the end of the job that a run needs to finish its
+    step and write a checkpoint, sized from the model's checkpoint files, and how: a step
+    allowance plus the checkpoint's bytes at an assumed shared-file-system write rate."""
+    files = list(Path(cfg.model.path).glob("*.safetensors")) if isinstance(cfg.model, HFModel) else []
+    if not files:
+        return 300, "no *.safetensors at model.path to size the checkpoint from: 300 s"
+    params = sum(f.stat().st_size for f in files) / CHECKPOINT_DTYPE_BYTES
+    checkpoint = params * CHECKPOINT_BYTES_PER_PARAM
+    seconds = max(120, int(STEP_ALLOWANCE_S + checkpoint / CHECKPOINT_WRITE_BYTES_S))
+    return seconds, (
+        f"{seconds} s: a step ({STEP_ALLOWANCE_S} s) + a checkpoint of {params / 1e9:.1f}B parameters × "
+        f"{CHECKPOINT_BYTES_PER_PARAM} B = {checkpoint / 1e9:.0f} GB at {CHECKPOINT_WRITE_BYTES_S / 1e9:g} GB/s"
+    )
+
+
 # ----------------------------------------------------------------------------- rendering
 @dataclass
 class JobSpec:
@@ -152,7 +176,8 @@ class JobSpec:
     container: str = ""
     iface: str = ""
     join_timeout_s: int = 300
-    stop_grace_s: int = 120  # SIGTERM this long before the time limit: the run saves and stops
+    stop_grace_s: int = 300  # SIGTERM this long before the time limit: the run saves and stops
+    stop_grace_reason: str = ""  # how stop_grace_s was sized, for the script's header
 
 
 def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
@@ -192,6 +217,8 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
     header = [f"#SBATCH {d}" for d in directives]
     header += ["#", "# Resources (checked by megatron-rlvr submit before submission):"]
     header += [f"#   {line}" for line in resources.lines()]
+    if spec.stop_grace_reason:
+        header += [f"# Stop grace (SIGTERM before the time limit, the driver's time to save): {spec.stop_grace_reason}"]
     fields = {
         "directives": "\n".join(header),
         "workdir": q(str(spec.workdir)),
@@ -199,6 +226,7 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
         "log_root": q(str(spec.log_root)),
         "gpus_per_node": str(spec.gpus_per_node),
         "join_timeout_s": str(spec.join_timeout_s),
+        "stop_grace_s": str(spec.stop_grace_s),
         "container": spec.container,
         "iface": q(spec.iface),
         "train_args": " ".join(q(a) for a in [str(spec.config), *spec.overrides]),
@@ -283,58 +311,51 @@ def follow(job_id: str, timeline: Path, out=None, poll_s: float = 0.5) -> int:
 
 
 # ----------------------------------------------------------------------------- the command
-def add_submit_parser(sub) -> None:
-    cmd = sub.add_parser("submit", help="run training on Slurm: a Ray cluster across the job's nodes")
-    cmd.add_argument("config", help="YAML config, e.g. configs/qwen3-30b-a3b-grpo-r3.yaml")
-    cmd.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
-    cmd.set_defaults(takes_overrides=True)
-    cmd.add_argument("--nodes", type=int, required=True, help="nodes N")
-    cmd.add_argument("--gpus-per-node", type=int, required=True, help="GPUs G per node (0: CPU nodes)")
-    cmd.add_argument("--partition", help="sbatch --partition")
-    cmd.add_argument("--time", help="sbatch --time, e.g. 24:00:00")
-    cmd.add_argument("--account", help="sbatch --account")
-    cmd.add_argument("--job-name", help="default: rlvr-<config name>")
-    cmd.add_argument(
+def add_job_options(group) -> None:
+    """The job options `submit` and `compare-replay --submit` share (an argparse parser or
+    argument group): where and how the job runs, whatever it trains."""
+    group.add_argument("--partition", help="sbatch --partition")
+    group.add_argument("--time", help="sbatch --time, e.g. 24:00:00")
+    group.add_argument("--account", help="sbatch --account")
+    group.add_argument(
         "--sbatch-option",
         action="append",
         default=[],
         metavar="OPT",
         help="another #SBATCH line: --sbatch-option=--qos=high (repeatable)",
     )
-    cmd.add_argument("--log-dir", help="where job logs go; default: <trainer.output_dir>/slurm")
-    cmd.add_argument(
+    group.add_argument(
         "--container",
         default="",
         metavar="PREFIX",
         help="prefix for every command on a node, e.g. 'apptainer exec --nv img.sif'",
     )
-    cmd.add_argument(
+    group.add_argument(
         "--bin-dir", help="directory with python, ray and megatron-rlvr on the nodes; default: this interpreter's"
     )
-    cmd.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
-    cmd.add_argument("--join-timeout-s", type=int, default=300, help="wait this long for every node")
-    cmd.add_argument(
+    group.add_argument("--iface", default="", help="network interface for Ray, NCCL and gloo (e.g. ib0)")
+    group.add_argument(
+        "--join-timeout-s", type=int, default=300, help="wait this long for the Ray head and for every node"
+    )
+    group.add_argument(
         "--stop-grace-s",
         type=int,
-        default=120,
-        help="SIGTERM the run this long before --time runs out, so it saves and stops (default 120; "
-        "more than one training step plus a checkpoint)",
+        help="SIGTERM the run this long before --time runs out, so it saves and stops (default: a step "
+        "plus the checkpoint's size at 1 GB/s, from the model's safetensors; 300 without them)",
     )
-    cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
-    cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
 
 
-def submit_command(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    resources = plan(cfg, args.nodes, args.gpus_per_node)
-    log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
+def job_spec(
+    args: argparse.Namespace, cfg: ResolvedConfig, config: Path, overrides: list[str], log_root: Path, job_name: str
+) -> JobSpec:
+    """The JobSpec of one job from the shared job options (add_job_options)."""
     spec = JobSpec(
-        config=Path(args.config).absolute(),
-        overrides=list(args.overrides),
+        config=config,
+        overrides=overrides,
         nodes=args.nodes,
         gpus_per_node=args.gpus_per_node,
         log_root=log_root,
-        job_name=args.job_name or f"rlvr-{Path(args.config).stem}",
+        job_name=job_name,
         partition=args.partition,
         time=args.time,
         account=args.account,
@@ -342,10 +363,44 @@ def submit_command(args: argparse.Namespace) -> int:
         container=args.container,
         iface=args.iface,
         join_timeout_s=args.join_timeout_s,
-        stop_grace_s=args.stop_grace_s,
     )
+    if args.stop_grace_s is not None:
+        spec.stop_grace_s, spec.stop_grace_reason = args.stop_grace_s, f"{args.stop_grace_s} s (--stop-grace-s)"
+    else:
+        spec.stop_grace_s, spec.stop_grace_reason = stop_grace(cfg)
     if args.bin_dir:
         spec.bin_dir = Path(args.bin_dir)
+    return spec
+
+
+def add_submit_parser(sub) -> None:
+    cmd = sub.add_parser("submit", help="run training on Slurm: a Ray cluster across the job's nodes")
+    cmd.add_argument("config", help="YAML config, e.g. configs/qwen3-30b-a3b-grpo-r3.yaml")
+    cmd.add_argument("overrides", nargs="*", help="dotted overrides, as for train")
+    cmd.set_defaults(takes_overrides=True)
+    cmd.add_argument("--nodes", type=int, required=True, help="nodes N")
+    cmd.add_argument("--gpus-per-node", type=int, required=True, help="GPUs G per node (0: CPU nodes)")
+    add_job_options(cmd)
+    cmd.add_argument("--job-name", help="default: rlvr-<config name>")
+    cmd.add_argument("--log-dir", help="where job logs go; default: <trainer.output_dir>/slurm")
+    memory_plan.add_submit_flags(cmd)  # --gpu-memory, --link-gbps, --prompt-tokens, --no-memory-check
+    cmd.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
+    cmd.add_argument("--follow", action="store_true", help="report the job until it ends; exit with its status")
+
+
+def submit_command(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    resources = plan(cfg, args.nodes, args.gpus_per_node)
+    memory_plan.submit_check(cfg, args)  # per-GPU memory table on stderr; refuses a GPU over its memory
+    log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
+    spec = job_spec(
+        args,
+        cfg,
+        Path(args.config).absolute(),
+        list(args.overrides),
+        log_root,
+        args.job_name or f"rlvr-{Path(args.config).stem}",
+    )
     script = render(spec, resources)
     if args.dry_run:
         print(script, end="")

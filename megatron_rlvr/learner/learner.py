@@ -154,13 +154,14 @@ class Learner:
         from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
         t = self.cfg.trainer
-        total = max(t.steps * self.cfg.algo.num_minibatches, 1)
+        per_step = self.cfg.algo.num_minibatches * self.cfg.algo.epochs  # optimizer steps a trainer step
+        total = max(t.steps * per_step, 1)
         return OptimizerParamScheduler(
             self.optimizer,
             init_lr=0.0 if t.warmup_steps else t.lr,
             max_lr=t.lr,
             min_lr=t.min_lr,
-            lr_warmup_steps=t.warmup_steps * self.cfg.algo.num_minibatches,
+            lr_warmup_steps=t.warmup_steps * per_step,
             lr_decay_steps=total,
             lr_decay_style=t.lr_decay_style,
             start_wd=t.weight_decay,
@@ -239,6 +240,15 @@ class Learner:
             )
         return ReplayRouting(self.replay, "recorded")
 
+    def _probe_hooks(self, batch: TrainBatch):
+        """Outside the old-logprob pass (the parity probe): the engine's routing replayed when
+        the batch carries it, so a comparison with the engine is free of routing flips."""
+        if batch.routed_experts is None:
+            return None
+        assert self.replay is not None, "routers are driven whenever the engines capture routing"
+        self._check_routed_experts(batch)
+        return ReplayRouting(self.replay, "engine")
+
     def _check_routed_experts(self, batch: TrainBatch) -> None:
         hf = self.bridge.hf_config
         expected = (batch.size, batch.input_ids.shape[1], hf.num_hidden_layers, hf.num_experts_per_tok)
@@ -257,7 +267,8 @@ class Learner:
         """Per-token logprobs [B, T] of the batch under the current weights, on every rank.
         The old-logprob pass (default) partitions the batch like the train step and, under R2,
         records the routing, under R3 replays the engine's. Otherwise (e.g. the parity probe)
-        the routing is the model's own and the batch may have any size."""
+        the batch may have any size and the routing is the engine's when the batch carries
+        it, else the model's own."""
         from megatron.core import parallel_state as mpu
 
         for chunk in self.chunks:
@@ -270,12 +281,14 @@ class Learner:
         t = self.cfg.trainer
         per_rank = self._rows_per_rank(batch.size, num_minibatches)
         micro = self._micro_batches(batch, per_rank, t.max_tokens_per_logprob_microbatch or t.max_tokens_per_microbatch)
-        hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else None
+        hooks = self._routing_hooks(batch, "old_logprobs") if old_logprob_pass else self._probe_hooks(batch)
         per_micro = forward_logprobs(self.chunks, micro, self.cfg.rollout.temperature, hooks)
         if self.replay is not None and old_logprob_pass:
             self.replay.clear()
             self.replay.stop_measuring()
             self._engine_agreement = self.replay.take_agreement("routing_agreement_engine")
+        elif self.replay is not None and hooks is not None:
+            self.replay.clear()
         mine = torch.cat(per_rank[mpu.get_data_parallel_rank()])
         width = batch.padded_to(self._seq_multiple).input_ids.shape[1]
         device = rank_device()  # the collectives' tensors live on the groups' device
@@ -296,8 +309,10 @@ class Learner:
         return full[:rows, : batch.input_ids.shape[1]]
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """num_minibatches optimizer steps over the batch (needs advantages and
-        old_logprobs). Returns metrics averaged over mini-batches, plus the last grad norm."""
+        """algo.epochs passes over the batch, each num_minibatches optimizer steps in the same
+        order (needs advantages and old_logprobs). Returns each metric's mean over every
+        optimizer step; with several passes also the last pass's own means as last_epoch/*
+        (how far the later passes drifted from the old policy)."""
         for chunk in self.chunks:
             chunk.train()
         per_mini = self.cfg.algo.num_minibatches
@@ -311,7 +326,8 @@ class Learner:
         ]
         history: list[dict[str, float]] = []
         hooks = self._routing_hooks(batch, "train")
-        for k, full in enumerate(full_minis):
+        passes = [(k, full) for _ in range(self.cfg.algo.epochs) for k, full in enumerate(full_minis)]
+        for k, full in passes:
             for chunk in self.chunks:
                 chunk.zero_grad_buffer()
             self.optimizer.zero_grad()
@@ -338,7 +354,9 @@ class Learner:
             )
             history.append(metrics)
         self.step += 1
-        metrics = {key: sum(h[key] for h in history) / len(history) for key in history[0]}
+        metrics = mean_metrics(history)
+        if self.cfg.algo.epochs > 1:
+            metrics.update({f"last_epoch/{k}": v for k, v in mean_metrics(history[-per_mini:]).items()})
         if self.replay is not None:
             self.replay.stop_measuring()
             metrics.update(self.replay.take_agreement("routing_agreement"))
@@ -389,3 +407,8 @@ class Learner:
     def export_hf(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The full model as HF-named tensors (collective; see model.export_hf_weights)."""
         return model_lib.export_hf_weights(self.modules, self.bridge)
+
+
+def mean_metrics(history: list[dict[str, float]]) -> dict[str, float]:
+    """Each metric's mean over optimizer steps."""
+    return {key: sum(h[key] for h in history) / len(history) for key in history[0]}

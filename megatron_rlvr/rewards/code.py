@@ -8,9 +8,10 @@ sandbox (megatron_rlvr.rewards.runner). Tests come as datasets store them:
   "outputs": [...]}: f(*args) (or Solution().f) must return the output;
 - assert-style (MBPP, HumanEval): a string of test code, a list of assert statements
   ({"test_list": [...]} too), or {"test": code, "entry_point": f} with a HumanEval check().
-  These are split (code_asserts) into the calls under test, which the sandbox evaluates, and
-  the expected side, judged by a process that never ran the solution; a test that cannot be
-  split so (a loop over the solution's results) is refused, never trusted.
+  These are split (code_asserts) into the calls under test, which the sandbox evaluates (after
+  the statements that build their inputs or the solution's objects), and the rest of the test,
+  judged on their values by a process that never ran the solution; a test that cannot be split
+  so (a loop over the solution's results, `len(stack)` of an object) is refused, never trusted.
 
 Every verdict is made outside the process that ran the solution, from what it printed or
 returned as plain data: a returned `int` subclass, or any object with its own `__eq__`, is
@@ -27,7 +28,7 @@ import re
 from typing import Any
 
 from megatron_rlvr.rewards.code_asserts import CodeTestError, split_asserts
-from megatron_rlvr.rewards.code_values import decode_value
+from megatron_rlvr.rewards.code_values import RecordedValues, ValueFailed, decode_value
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 from megatron_rlvr.rewards.verdict import Verdict
 
@@ -45,7 +46,7 @@ FAILURES = frozenset(
         "sandbox_error",
     }
 )
-_TO_SANDBOX = {"stdio": ("kind", "input"), "call": ("kind", "fn", "args"), "assert": ("kind", "setup", "exprs")}
+_TO_SANDBOX = {"stdio": ("kind", "input"), "call": ("kind", "fn", "args"), "assert": ("kind", "steps")}
 
 
 def _text(value: Any) -> str:
@@ -154,10 +155,22 @@ def _normal(value: Any) -> Any:
         return value
 
 
-def _meets(check: list, values: list) -> bool:
-    op, index, expected = check
-    value = values[index]
-    return {"truthy": bool(value), "falsy": not value, "eq": value == expected, "ne": value != expected}[op]
+def _failure(outcome: Any) -> str:
+    status = outcome.get("status") if isinstance(outcome, dict) else None
+    return status if status in FAILURES else "crashed"
+
+
+def _quick_verdict(checks: list, recorded: RecordedValues) -> str:
+    """`assert v`, `assert not v`, `assert v == literal`, in order: the first that fails decides."""
+    for op, index, expected in checks:
+        try:
+            value = recorded(index)
+        except ValueFailed as failed:
+            return _failure(failed.outcome)
+        met = {"truthy": bool(value), "falsy": not value, "eq": value == expected, "ne": value != expected}[op]
+        if not met:
+            return "wrong_answer"
+    return "passed"
 
 
 def judge(test: dict, outcome: dict, judged: dict | None = None) -> str:
@@ -174,17 +187,17 @@ def judge(test: dict, outcome: dict, judged: dict | None = None) -> str:
                 # APPS wraps a call's output in a list of one
                 single = isinstance(expected, list) and len(expected) == 1 and value == expected[0]
                 return "passed" if value == expected or single else "wrong_answer"
-            values = [decode_value(v) for v in outcome["values"]]
+            recorded = RecordedValues(outcome["values"], outcome.get("raised") or [])
+            if len(recorded.values) != test["count"]:
+                return "crashed"
+            if test["checks"] is not None:
+                return _quick_verdict(test["checks"], recorded)
         except (ValueError, TypeError, KeyError, RecursionError):
             return "crashed"
-        if len(values) != len(test["exprs"]):
-            return "crashed"
-        if test["checks"] is not None:
-            return "passed" if all(_meets(check, values) for check in test["checks"]) else "wrong_answer"
         if judged is None:
             return "crashed"
         status = judged.get("status")
-        return "passed" if status == "passed" else status if status in FAILURES else "crashed"
+        return "passed" if status == "passed" else _failure(judged)
     return status if status in FAILURES else "crashed"
 
 
@@ -250,6 +263,8 @@ class CodeVerifier:
             for index, (test, outcome) in enumerate(zip(cases, tested if isinstance(tested, list) else [])):
                 if test["kind"] == "assert" and test["checks"] is None and outcome.get("status") == "returned":
                     where.append((row, index))
-                    jobs.append({"judge": test["program"], "values": outcome.get("values")})
+                    jobs.append(
+                        {"judge": test["program"], "values": outcome.get("values"), "raised": outcome.get("raised")}
+                    )
         answers = self._run(jobs, judges)  # a supervisor that died answers {"error": {"reason": ...}}
         return {at: a.get("outcome") or {"status": a.get("error", {}).get("reason")} for at, a in zip(where, answers)}

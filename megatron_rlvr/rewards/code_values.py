@@ -10,10 +10,20 @@ rebuilds them here as fresh built-in objects; anything else is "not a value".
 from __future__ import annotations
 
 import math
+import types
 from typing import Any
 
 MAX_DEPTH = 64
 _SMALL_INT = 2**53
+# one-shot iterators of the built-in kinds (a generator, map(), zip(), iter(list), ...): read out
+# where they were made and rebuilt as an iterator over the same items
+# (kinds are told apart by identity: a metaclass's __eq__ can make a class "equal" to any other)
+_EMPTY: tuple[Any, ...] = ([], (), set(), "", b"", range(0), {}, {}.values(), {}.items())
+_ITERATORS = frozenset(
+    [id(kind) for kind in (types.GeneratorType, map, filter, zip, enumerate, reversed)]
+    + [id(type(iter(empty))) for empty in _EMPTY]
+    + [id(type(reversed(empty))) for empty in _EMPTY[:1] + _EMPTY[5:7]]
+)
 
 
 class NotAValue(ValueError):
@@ -33,7 +43,7 @@ def encode_value(value: Any, depth: int = 0) -> Any:
         return value if math.isfinite(value) else {"float": repr(value)}
     if kind is list:
         return [encode_value(item, depth + 1) for item in value]
-    if kind in (tuple, set, frozenset):
+    if kind is tuple or kind is set or kind is frozenset:
         items = [encode_value(item, depth + 1) for item in value]
         return {kind.__name__: items}
     if kind is dict:
@@ -42,6 +52,10 @@ def encode_value(value: Any, depth: int = 0) -> Any:
         return {"bytes": value.hex()}
     if kind is complex:
         return {"complex": [encode_value(value.real), encode_value(value.imag)]}
+    if kind is range:
+        return {"range": [value.start, value.stop, value.step]}
+    if id(kind) in _ITERATORS:
+        return {"iter": [encode_value(item, depth + 1) for item in value]}
     for base in (bool, int, float, str, list, tuple, dict, set, frozenset, bytes, complex):
         if isinstance(value, base):
             raise NotAValue(f"a {kind.__name__} (a {base.__name__} subclass)")
@@ -69,6 +83,10 @@ def decode_value(tree: Any, depth: int = 0) -> Any:
         return complex(float(decode_value(body[0])), float(decode_value(body[1])))
     if type(body) is not list:
         raise ValueError(f"not an encoded value: tag {tag!r}")
+    if tag == "range" and len(body) == 3 and all(type(n) is int for n in body):
+        return range(*body)
+    if tag == "iter":
+        return iter([decode_value(item, depth + 1) for item in body])
     if tag == "tuple":
         return tuple(decode_value(item, depth + 1) for item in body)
     if tag in ("set", "frozenset"):
@@ -77,3 +95,31 @@ def decode_value(tree: Any, depth: int = 0) -> Any:
     if tag == "dict" and all(type(pair) is list and len(pair) == 2 for pair in body):
         return {decode_value(k, depth + 1): decode_value(v, depth + 1) for k, v in body}
     raise ValueError(f"not an encoded value: tag {tag!r}")
+
+
+class ValueFailed(Exception):
+    """Raised where the judge reads a value whose call raised in the sandbox; `outcome` is the
+    sandbox's report of it (data: the parent checks its status)."""
+
+    def __init__(self, outcome: Any):
+        super().__init__("the call under test failed")
+        self.outcome = outcome if isinstance(outcome, dict) else {"status": "crashed"}
+
+
+class RecordedValues:
+    """`_rlvr_value(i)` in a judge program: the i-th value a solution's calls returned, rebuilt
+    as fresh built-in objects at each read, or what the call raised, raised at that read (so a
+    call the test would not have reached decides nothing)."""
+
+    def __init__(self, values: Any, raised: Any):
+        if type(values) is not list or type(raised) is not list:
+            raise ValueError("not a report of values")
+        self.values = values
+        self.raised = {
+            pair[0]: pair[1] for pair in raised if type(pair) is list and len(pair) == 2 and type(pair[0]) is int
+        }
+
+    def __call__(self, index: int) -> Any:
+        if index in self.raised:
+            raise ValueFailed(self.raised[index])
+        return decode_value(self.values[index])

@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_rlvr.rewards.code_values import NotAValue, decode_value, encode_value
+from megatron_rlvr.rewards.code_values import NotAValue, RecordedValues, ValueFailed, encode_value
 
 STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpreter start, imports)
 Started = tuple[subprocess.Popen, str]  # a supervisor process and its directory
@@ -259,15 +259,25 @@ def _run_solution(code: str, namespace: dict) -> dict | None:
     return None
 
 
-def _values(test: dict, namespace: dict) -> dict:
-    """An assert test's calls under test, after its shared setup (imports, inputs), evaluated in
-    order; the first that fails ends the test, as it would end the assert."""
-    exec(compile(test["setup"], "<test setup>", "exec"), namespace)
-    values = []
-    for source, keep in test["exprs"]:
-        value = eval(compile(source, "<test>", "eval"), namespace)
-        values.append(encode_value(value) if keep else None)
-    return {"status": "returned", "values": values}
+def _steps(test: dict, namespace: dict) -> dict:
+    """An assert test's steps (code_asserts), in order: its statements run, and an error in one
+    ends the test as it would end the script; each value step's value is sent back as plain
+    data, or what it raised, which the judge raises where the test reads that value."""
+    values: list = []
+    raised: list[list] = []
+    for kind, source in test["steps"]:
+        if kind == "exec":
+            exec(compile(source, "<test>", "exec"), namespace)
+            continue
+        try:
+            values.append(encode_value(eval(compile(source, "<test>", "eval"), namespace)))
+        except NotAValue as err:
+            values.append(None)
+            raised.append([len(values) - 1, {"status": "not_a_value", "detail": f"returned {err}"[:200]}])
+        except BaseException as err:  # the solution's own errors are the verdict, where the test reads the value
+            values.append(None)
+            raised.append([len(values) - 1, _error(err)])
+    return {"status": "returned", "values": values, "raised": raised}
 
 
 def _code_test(code: str, test: dict):
@@ -280,7 +290,7 @@ def _code_test(code: str, test: dict):
             return failed or {"status": "ran"}
         try:
             if test["kind"] == "assert":
-                return _values(test, namespace)
+                return _steps(test, namespace)
             function = namespace.get(test["fn"])
             if function is None and isinstance(namespace.get("Solution"), type):
                 function = getattr(namespace["Solution"](), test["fn"], None)
@@ -336,8 +346,10 @@ def _judge_job(job: dict, settings: dict) -> dict:
 
     def target() -> dict:
         try:
-            namespace = {f"_rlvr_value_{i}": decode_value(v) for i, v in enumerate(job["values"])}
-            exec(compile(job["judge"], "<test>", "exec"), {"__name__": "judge", **namespace})
+            recorded = RecordedValues(job["values"], job.get("raised") or [])
+            exec(compile(job["judge"], "<test>", "exec"), {"__name__": "judge", "_rlvr_value": recorded})
+        except ValueFailed as failed:
+            return failed.outcome
         except BaseException as err:
             return _error(err)
         return {"status": "passed"}

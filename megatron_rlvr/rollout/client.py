@@ -5,11 +5,18 @@ A 4xx is the engine refusing the request: never retried, raised with the engine'
 Every request carries the run's API key (Authorization: Bearer), which SGLang's --api-key and
 the CPU engine check: a request without it is refused (401) and changes nothing.
 Connection errors, timeouts and 5xx are transient: retried with backoff, then raised as
-EngineUnavailable (the manager moves the work to another engine)."""
+EngineUnavailable (the manager moves the work to another engine).
+
+Health is three states, not two (`EngineClient.state`). SGLang's /health generates one token,
+and generation waits while the engine is paused, so a healthy engine paused for a weight sync
+fails it (and after 20 s SGLang marks itself unhealthy). So /health is asked only of an engine
+that says it is not paused: /ready (200: not paused and healthy) and /ping (200: healthy,
+paused or not) are flag checks the HTTP process answers without its scheduler."""
 
 from __future__ import annotations
 
 import asyncio
+import enum
 from typing import Any
 
 import httpx
@@ -25,6 +32,15 @@ class EngineRequestError(ValueError):
 
 class EngineUnavailable(ConnectionError):
     """The engine did not answer after retries."""
+
+
+class EngineState(enum.Enum):
+    SERVING = "serving"  # not paused, and a one-token generation came back
+    PAUSED = "paused"  # alive and healthy, generation paused (a weight sync): requests wait
+    DOWN = "down"  # no answer, starting, shutting down, or a generation that never came back
+
+
+HEALTH_TIMEOUT_S = 5.0  # one health question; SGLang's own generation check gives up after 20 s
 
 
 class EngineClient:
@@ -103,11 +119,38 @@ class EngineClient:
         await self._request("POST", "/flush_cache")
 
     async def health(self) -> bool:
+        """Alive: serving, or paused (a paused engine is not dead; it serves after resume)."""
+        return await self.state() is not EngineState.DOWN
+
+    async def state(self) -> EngineState:
+        """Serving, paused or down. /ready 200 (not paused, healthy): the one-token /health
+        decides, as SGLang's scheduler must answer it. /ready 503 with /ping 200: paused. Both
+        503: starting, shutting down, or flagged unhealthy by an earlier failed /health, which
+        a generation that comes back clears. A /health that fails after /ready said 200 may
+        have met a pause that began meanwhile: /ready and /ping are asked again."""
+        state = await self._ask_state()
+        self.healthy = state is not EngineState.DOWN
+        return state
+
+    async def _ask_state(self) -> EngineState:
+        ready = await self._status("/ready")
+        if ready is None:
+            return EngineState.DOWN
+        if ready != 200 and await self._status("/ping") == 200:
+            return EngineState.PAUSED
+        if await self._status("/health") == 200:
+            return EngineState.SERVING
+        if await self._status("/ready") == 503 and await self._status("/ping") == 200:
+            return EngineState.PAUSED
+        return EngineState.DOWN
+
+    async def _status(self, path: str) -> int | None:
+        """The HTTP status of one GET (None: no answer within HEALTH_TIMEOUT_S), no retries."""
         try:
-            await self._request("GET", "/health", timeout_s=5.0, retries=0)
-        except (EngineUnavailable, EngineRequestError):
-            return False
-        return True
+            response = await self._http.get(path, timeout=HEALTH_TIMEOUT_S)
+        except (httpx.TransportError, httpx.TimeoutException):
+            return None
+        return response.status_code
 
     async def model_info(self, retries: int | None = None) -> dict:
         return await self._request("GET", "/model_info", retries=retries)

@@ -215,6 +215,11 @@ class CpuEngine:
             self._cond.notify_all()
 
     @property
+    def paused(self) -> bool:
+        with self._cond:
+            return self._paused is not None
+
+    @property
     def busy(self) -> bool:
         """Sequences holding a KV cache (running, or paused in place)."""
         with self._cond:

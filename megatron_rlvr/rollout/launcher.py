@@ -66,10 +66,11 @@ class ServerProcess:
     port: int
     log_path: Path
     name: str = "engine"
-    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment
+    env: dict[str, str] = field(default_factory=dict)  # on top of this process's environment; never the key
     check_port: bool = True  # refuse at once when the port is taken
     api_key: str | None = field(default=None, repr=False)  # the run's key: health checks send it, logs never show it
-    key_file: Path | None = None  # SGLang's --config file holding the key, written for each start
+    key_env: str | None = None  # the variable that hands the key to the server (the CPU engine), added at start
+    key_file: Path | None = None  # SGLang's --config file holding the key, written for each start, removed after
     cpus: list[int] | None = None  # the cores the server and every process it starts run on; None: any
     proc: subprocess.Popen | None = field(default=None, repr=False)
     watchdog: subprocess.Popen | None = field(default=None, repr=False)
@@ -92,47 +93,53 @@ class ServerProcess:
             )
         threads = str(len(self.cpus)) if self.cpus else os.environ.get("OMP_NUM_THREADS", "1")
         env = {**os.environ, "OMP_NUM_THREADS": threads, **self.env}
-        with self._lock:
-            if self.closed:
-                raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
-            self.stopping = False
-            if self.key_file is not None and self.api_key:
-                write_private(self.key_file, f"api-key: {self.api_key}\n")
-            with open(self.log_path, "ab") as out:
-                log_start = out.tell()  # a restart appends: only this start's lines count
-                self.proc = subprocess.Popen(
-                    self.command,
-                    stdout=subprocess.PIPE if self.api_key else out,
-                    stderr=subprocess.STDOUT,
-                    env=env,
-                    start_new_session=True,
-                )
-            if self.cpus:  # before the server starts threads or processes, which inherit its cores
-                try:
-                    pin_process(self.proc.pid, self.cpus, f"{self.name} ({self.url})")
-                except UserError:
-                    self.proc.kill()
-                    self.proc.communicate()
-                    if self.key_file is not None:
-                        self.key_file.unlink(missing_ok=True)
-                    raise
-            if self.api_key:
-                assert self.proc.stdout is not None
-                copy = (self.proc.stdout, self.log_path, self.api_key)
-                self.log_copy = threading.Thread(target=copy_redacted, args=copy, daemon=True, name=f"{self.name} log")
-                self.log_copy.start()
-            self.watchdog = subprocess.Popen(
-                [sys.executable, "-m", "megatron_rlvr.rollout.watchdog", str(os.getpid()), str(self.proc.pid)],
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
+        if self.key_env is not None and self.api_key:
+            env[self.key_env] = self.api_key
+        try:
+            with self._lock:
+                if self.closed:
+                    raise EngineStartError(f"{self.name} ({self.url}) was closed before it started")
+                self.stopping = False
+                log_start = self._spawn(env)
+            return self._wait_ready(ready_timeout_s, log_start)
+        finally:  # on every path: the server has read it as it started, or never will
+            if self.key_file is not None:
+                self.key_file.unlink(missing_ok=True)
+
+    def _spawn(self, env: dict[str, str]) -> int:
+        """The server (its key file written first), pinned to its cores, its redacted log copy and
+        its watchdog; returns where this start's lines begin in the log."""
+        if self.key_file is not None and self.api_key:
+            write_private(self.key_file, f"api-key: {self.api_key}\n")
+        with open(self.log_path, "ab") as out:
+            log_start = out.tell()  # a restart appends: only this start's lines count
+            self.proc = subprocess.Popen(
+                self.command,
+                stdout=subprocess.PIPE if self.api_key else out,
+                stderr=subprocess.STDOUT,
+                env=env,
                 start_new_session=True,
             )
-        try:
-            return self._wait_ready(ready_timeout_s, log_start)
-        finally:
-            if self.key_file is not None:
-                self.key_file.unlink(missing_ok=True)  # the server read it as it started
+        if self.cpus:  # before the server starts threads or processes, which inherit its cores
+            try:
+                pin_process(self.proc.pid, self.cpus, f"{self.name} ({self.url})")
+            except UserError:
+                self.proc.kill()
+                self.proc.communicate()
+                raise
+        if self.api_key:
+            assert self.proc.stdout is not None
+            copy = (self.proc.stdout, self.log_path, self.api_key)
+            self.log_copy = threading.Thread(target=copy_redacted, args=copy, daemon=True, name=f"{self.name} log")
+            self.log_copy.start()
+        self.watchdog = subprocess.Popen(
+            [sys.executable, "-m", "megatron_rlvr.rollout.watchdog", str(os.getpid()), str(self.proc.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+        )
+        return log_start
 
     def _wait_ready(self, ready_timeout_s: float, log_start: int) -> ServerProcess:
         assert self.proc is not None
@@ -435,10 +442,11 @@ def engine_process(
     cpus: the cores the server runs on (launch.engine_cpus' share; None: any)."""
     log_dir = Path(log_dir)
     log_dir.mkdir(parents=True, exist_ok=True)
-    key_file = None
+    key_file, key_env = None, None
     if isinstance(engine, CpuEngine):
         command = cpu_engine_command(model_dir, engine, host, port, routed_experts, len(cpus) if cpus else 1)
-        env = {ENGINE_API_KEY_ENV: api_key} if api_key else {}
+        env: dict[str, str] = {}
+        key_env = ENGINE_API_KEY_ENV
     else:
         command = sglang_command(model_dir, engine, host, port, routed_experts, in_flight)
         env = sglang_env(engine, gpus, cpus)
@@ -447,7 +455,16 @@ def engine_process(
             command += ["--config", str(key_file)]
     log_path = log_dir / f"engine-{port}.log"
     return ServerProcess(
-        command, host, port, log_path, name=name, env=env, api_key=api_key, key_file=key_file, cpus=cpus
+        command,
+        host,
+        port,
+        log_path,
+        name=name,
+        env=env,
+        api_key=api_key,
+        key_env=key_env,
+        key_file=key_file,
+        cpus=cpus,
     )
 
 

@@ -2,8 +2,8 @@
 consumer the moment it finishes, and keeps going when an engine dies.
 
 A request that fails at the connection level is not yet a dead engine: a keep-alive
-connection closed under the client looks the same. The engine's /health decides: if it
-answers, the group is retried there; if not, the engine is restarted (when a restarter is
+connection closed under the client looks the same. The engine's state decides
+(EngineClient.state: serving and paused are alive): if alive, the group is retried there; if not, the engine is restarted (when a restarter is
 given) and the group moves to another serving engine, or, when none serves, waits until one
 does again (a restarted engine serves once it holds the run's current weights: see readmit).
 """
@@ -15,7 +15,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 
 from megatron_rlvr.loop_metrics import BusyClock
@@ -190,11 +190,11 @@ class RolloutManager:
 
     async def _after_connection_failure(self, engine: int, group_id: str, err: Exception) -> int | None:
         """Where a group goes after its request to `engine` failed at the connection level:
-        the same engine if it answers /health (counted as retried), else another serving
+        the same engine if it is alive (counted as retried), else another serving
         engine (counted as moved) while this one restarts, else None (wait for one)."""
         if await self.clients[engine].health():
             self.stats["retried"] += 1
-            log.warning("engine %d dropped group %s but answers /health: retrying there (%s)", engine, group_id, err)
+            log.warning("engine %d dropped group %s but is alive: retrying there (%s)", engine, group_id, err)
             return engine
         self._schedule_restart(engine)
         other = self._pick(avoid=engine)
@@ -262,20 +262,30 @@ class RolloutManager:
             clock.resume(at)
 
     async def restart_unanswering(self) -> list[int]:
-        """Schedules a restart of every engine that does not answer /health and is not being
-        restarted already; returns their indices. An engine that died between batches has no
-        request to fail on, so the weight sync asks this before it waits for engines."""
+        """Schedules a restart of every engine that is down (EngineClient.state: a paused one
+        is not) and is not being restarted already; returns their indices. An engine that died
+        between batches has no request to fail on, so the weight sync asks this before it
+        waits for engines."""
         engines = [i for i in range(len(self.clients)) if i not in self._restarting]
         answers = await asyncio.gather(*(self.clients[i].health() for i in engines))
         dead = [i for i, alive in zip(engines, answers) if not alive]
         for engine in dead:
             log.warning(
-                "engine %d (%s) does not answer /health before a weight sync: restarting it if its process died",
+                "engine %d (%s) is down before a weight sync: restarting it if its process died",
                 engine,
                 self.clients[engine].base_url,
             )
             self._schedule_restart(engine)
         return dead
+
+    async def restart_engines(self, engines: Iterable[int]) -> None:
+        """Schedules a restart of these engines although they answer: a weight sync left them
+        inside a broadcast that lost its peer (NCCL: until its 30-minute timeout)."""
+        for engine in engines:
+            log.warning(
+                "engine %d (%s) is stuck in a lost weight sync: restarting it", engine, self.clients[engine].base_url
+            )
+            self._schedule_restart(engine)
 
     def _schedule_restart(self, engine: int) -> None:
         if self.restart is None or engine in self._restarting:

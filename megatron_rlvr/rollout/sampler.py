@@ -86,7 +86,10 @@ class ActiveSampler:
         self._order: list[PromptRecord] = []
         self._recent: deque[bool] = deque(maxlen=256)  # kept or not, for the latest groups
         self._pending: deque[str] = deque()  # group ids in flight, in submission order
-        self._prompt_of: dict[str, str] = {}  # a group in flight → its prompt id
+        self._scoring: list[str] = []  # group ids taken from the engines, not yet in the buffer
+        self._prompt_of: dict[str, str] = {}  # a group in flight or being scored → its prompt id
+        self._filing = asyncio.Lock()  # held while a group enters the buffer, a batch leaves it, or a snapshot
+        self._drawn: list[Group] | None = None  # the batch the latest fill drew from the buffer
         self._finished: dict[str, Group] = {}  # finished ahead of their turn
         self.submitted = 0
         self.rewards: list[float] = []  # every scored sample since the last take_rewards()
@@ -136,8 +139,7 @@ class ActiveSampler:
         while head not in self._finished:
             group = await self.manager.next_group()
             self._finished[group.group_id] = group
-        self._pending.popleft()
-        self._prompt_of.pop(head, None)
+        self._scoring.append(self._pending.popleft())
         return self._finished.pop(head)
 
     async def _next_finished(self) -> Group:
@@ -146,7 +148,7 @@ class ActiveSampler:
             return await self._next_in_order()
         group = await self.manager.next_group()
         self._pending.remove(group.group_id)
-        self._prompt_of.pop(group.group_id, None)
+        self._scoring.append(group.group_id)
         return group
 
     async def _keep_busy(self, batch_groups: int, policy_version: int) -> None:
@@ -177,6 +179,8 @@ class ActiveSampler:
             await self._file(await self._next_finished())
 
     async def _file(self, group: Group) -> None:
+        """Scores a group taken from the engines and puts it in the buffer. Until it is there
+        it stays in _scoring, so a snapshot taken meanwhile records its prompt."""
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
             raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
@@ -189,16 +193,20 @@ class ActiveSampler:
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
             self.rewards.extend(rewards)
-        verdict = await self.buffer.put(group)
-        if verdict in ("kept", "zero_std"):
-            self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
-        self._recent.append(verdict == "kept")
+        async with self._filing:
+            verdict = await self.buffer.put(group)
+            self._scoring.remove(group.group_id)
+            self._prompt_of.pop(group.group_id, None)
+            if verdict in ("kept", "zero_std"):
+                self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
+            self._recent.append(verdict == "kept")
 
     async def fill(self, batch_groups: int, policy_version: int, *, drain: bool = False) -> list[Group]:
         """batch_groups useful groups for training `policy_version`, generating at most
         max_groups groups for them: at that bound, the useful groups there are (at least
         min_groups, else NothingToLearn). drain: also wait for every group still in flight
         (they go to the buffer), so none straddles a step."""
+        self._drawn = None  # first, before any await: a snapshot from now on sees this fill's draw
         await self._stop_keeping_busy()
         self._generated = 0
         while (useful := await self.buffer.useful(policy_version)) < batch_groups:
@@ -214,7 +222,8 @@ class ActiveSampler:
             if useful < self.min_groups:
                 raise NothingToLearn(self._nothing_to_learn(useful))
             self.short_batches += 1
-        batch = await self.buffer.get_batch(min(useful, batch_groups), policy_version)
+        async with self._filing:
+            batch = self._drawn = await self.buffer.get_batch(min(useful, batch_groups), policy_version)
         if self.in_flight:
             self._keep_going = True
             self._keep_busy_task = asyncio.create_task(self._keep_busy(batch_groups, policy_version + 1))
@@ -247,17 +256,26 @@ class ActiveSampler:
 
     def state(self) -> dict:
         """What a resumed run needs to submit the same groups next. Exact between drained
-        steps. Groups still generating (async and in-flight runs) cannot be saved half-made:
-        their prompts are recorded, and a resumed run generates them again first."""
+        steps. Groups still generating or being scored (async and in-flight runs) cannot be
+        saved half-made: their prompts are recorded, and a resumed run generates them again
+        first. With the buffer's state, taken at one point: snapshot()."""
         return {
             "rng": self._rng.getstate(),
             "order": [r.prompt_id for r in self._order],
-            "in_flight": [self._prompt_of[group_id] for group_id in self._pending],
+            "in_flight": [self._prompt_of[group_id] for group_id in (*self._scoring, *self._pending)],
             "recent": list(self._recent),
             "submitted": self.submitted,
             "short_batches": self.short_batches,
             "history": self.history.state(),
         }
+
+    async def snapshot(self) -> tuple[dict, dict, list[Group] | None]:
+        """The sampler's state, the buffer's and the batch the latest fill drew (None before
+        it draws), taken while no group enters the buffer and no batch leaves it: every group
+        generated is in exactly one of them (in flight or being scored; waiting in the buffer
+        or counted as dropped; drawn) or was drawn by an earlier fill."""
+        async with self._filing:
+            return self.state(), await self.buffer.state(), self._drawn
 
     def load_state(self, state: dict) -> int:
         """Restores `state`; returns how many groups were still generating when it was taken

@@ -93,6 +93,9 @@ class WeightUpdates:
                 target.copy_(tensor.to(target.dtype))
 
 
+HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang 0.5.23's SGLANG_HEALTH_CHECK_TIMEOUT default
+
+
 def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="megatron-rlvr CPU engine (SGLang API)")
     updates = WeightUpdates(engine)
@@ -110,11 +113,23 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_ke
         return _error(400, str(err))
 
     @app.api_route("/health", methods=["GET", "POST"])
-    async def health():
-        return Response(status_code=200)
-
     @app.api_route("/health_generate", methods=["GET", "POST"])
-    async def health_generate():
+    async def health():
+        """As SGLang's default /health: a generation, which waits while generation is paused
+        (SGLang gives up after HEALTH_CHECK_TIMEOUT_S with 503)."""
+        deadline = time.monotonic() + HEALTH_CHECK_TIMEOUT_S
+        while engine.paused and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        return Response(status_code=503 if engine.paused else 200)
+
+    @app.get("/ready")
+    async def ready():
+        """As SGLang's: 200 when healthy and not paused."""
+        return Response(status_code=503 if engine.paused else 200)
+
+    @app.get("/ping")
+    async def ping():
+        """As SGLang's: 200 when healthy, paused or not (a flag, no generation)."""
         return Response(status_code=200)
 
     @app.get("/model_info")

@@ -7,8 +7,10 @@ sft.pack_sequences); the held-out conversations' loss is
 logged every sft.eval_interval steps. At the end the model is exported as an HF folder (the
 RL config's model.path) and, with sft.pass_at_1, scored on eval.sets by an engine and the
 verifiers, through the evaluation `train` runs at its step 0. Metrics go where train's go
-(metrics.jsonl, TensorBoard, the progress bar); trainer.save_interval and trainer.resume work
-as in train, and a stop request saves the last finished step."""
+(metrics.jsonl, TensorBoard, the progress bar). Checkpoints are train's (run_dir.save: step
+folders under trainer.output_dir/checkpoint, each complete before `latest` names it,
+trainer.save_interval, trainer.keep_checkpoints); an output folder that holds a run is refused
+unless trainer.resume continues it, and a stop request saves the last finished step."""
 
 from __future__ import annotations
 
@@ -17,13 +19,14 @@ import tempfile
 import time
 from pathlib import Path
 
+from megatron_rlvr import run_dir
 from megatron_rlvr.config import ResolvedConfig, load_config
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.reporting import RunReport
 from megatron_rlvr.stopping import StopRequested, StopSignals
 
 log = logging.getLogger(__name__)
-CHECKPOINT = "sft_checkpoint"
+OLD_CHECKPOINT = "sft_checkpoint"  # an older version's one folder, saved over in place
 
 
 class SftError(UserError):
@@ -49,6 +52,13 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
     if t.warmup_steps >= t.steps:  # Megatron's scheduler asserts it, without a word
         raise SftError(f"trainer.warmup_steps = {t.warmup_steps}: must be < trainer.steps = {t.steps}")
     out = Path(t.output_dir)
+    run_dir.check_output_dir(cfg)  # a new run never writes over an old one
+    if t.resume and (out / OLD_CHECKPOINT).is_dir():
+        raise run_dir.CheckpointError(
+            f"{out / OLD_CHECKPOINT} is a checkpoint of an older version (saved in place), which this version "
+            "does not resume: start afresh in another trainer.output_dir (its learner part still converts: "
+            f"megatron-rlvr convert mcore-to-hf --ckpt {out / OLD_CHECKPOINT})"
+        )
     out.mkdir(parents=True, exist_ok=True)
     model_dir, tokenizer = prepare_model(cfg)
     renderer = sft_data.ConversationRenderer(tokenizer, cfg.data)
@@ -74,7 +84,7 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
 
     placement = placement_for(cfg)
     world = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.dp
-    path = out / CHECKPOINT
+    root = out / run_dir.CHECKPOINT
     with tempfile.TemporaryDirectory(prefix="rlvr-sft-") as temp, placement.session(str(Path(temp) / "ray")):
         ranks = [
             placement.place(Role.LEARNER_RANK, SftRank, cfg, str(model_dir), rank, world, index=rank)
@@ -87,7 +97,18 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
         try:
             master = ranks[0].call("rendezvous_address")
             call_all(ranks, "setup", master, stop=stop, urgent_only=False)
-            first = on_all("load", str(path)) + 1 if t.resume and (path / "metadata.json").exists() else 1
+            resumed = run_dir.resume(root, lambda p: on_all("load", str(p)), "sft") if t.resume else None
+            saved = resumed[1]["step"] if resumed else 0  # the step of the checkpoint on disk
+            if resumed:
+                log.info("resumed from %s at step %d", resumed[0], saved)
+            first = saved + 1
+
+            def save(step: int) -> None:
+                nonlocal saved
+                state = {"command": "sft", "step": step}
+                run_dir.save(root, step, state, lambda p: on_all("save", str(p)), t.keep_checkpoints)
+                saved = step
+
             report = RunReport.for_run(cfg, first_step=first, once=once)
             last: dict = {}
             try:
@@ -111,14 +132,15 @@ def run_sft(config_path: str, overrides: list[str], stop: StopSignals) -> tuple[
                         last["heldout/sft_loss"] = on_all("sft_step", heldout_micro, False)["sft_loss"]
                     report.log(last)
                     if step == t.steps or (t.save_interval and step % t.save_interval == 0):
-                        on_all("save", str(path))
+                        save(step)
                     stop.check(f"after SFT step {step}")
                 on_all("export", str(export_dir(cfg)))
             except StopRequested as err:
-                finished = int(last.get("step", first - 1))
-                if not stop.urgent and finished >= first:
-                    on_all("save", str(path))
-                    err.args = (f"{err}; checkpoint of step {finished} in {path} (continue with trainer.resume=true)",)
+                finished = int(last.get("step", saved))
+                if not stop.urgent and finished > saved:
+                    save(finished)
+                where = f"checkpoint of step {saved} in {root}" if saved else "no checkpoint"
+                err.args = (f"{err}; {where} (continue with trainer.resume=true)",)
                 raise
             finally:
                 report.close()

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, probe_batch
+from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, parity_gaps, probe_batch
 from megatron_rlvr.weight_sync.syncer import EnginesLost, WeightSyncer
 
 PROBE_TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]  # a fixed prompt, folded into the model's vocabulary
@@ -27,7 +27,8 @@ def sync_weights(
     """Pushes the learner's weights to the engines as `version`, then runs the parity probe
     when weight_sync.parity_tolerance is set. Collective over the learner's ranks; the source
     rank passes its syncer and event loop; restarted: the engines the run restarted since they
-    last got weights. Returns metrics on the source rank."""
+    last got weights. Returns metrics on the source rank, where a failed probe raises
+    ParityError carrying them (the run saves the step before it stops)."""
     if syncer is None:
         for _ in learner.export_hf():
             pass
@@ -43,16 +44,23 @@ def sync_weights(
     if tolerance is None:
         return {} if syncer is None else _report_metrics(report)
     box: list[Any] = [None]
-    vocab = learner.bridge.hf_config.vocab_size
-    prompt = [t % vocab for t in PROBE_TOKENS]
+    hf = learner.bridge.hf_config
+    prompt = [t % hf.vocab_size for t in PROBE_TOKENS]
+    # the engines' routing, replayed by the learner, when they capture it (see probe.py)
+    routing = (hf.num_hidden_layers, hf.num_experts_per_tok, hf.num_experts)
+    replayed = bool(learner.cfg.rollout.return_routed_experts)
     if syncer is not None:
         assert loop is not None
         responses = loop.run_until_complete(
             engine_samples(
-                syncer.member_clients, prompt, max_new_tokens=probe_tokens, temperature=learner.cfg.rollout.temperature
+                syncer.member_clients,
+                prompt,
+                max_new_tokens=probe_tokens,
+                temperature=learner.cfg.rollout.temperature,
+                routed=replayed,
             )
         )
-        box = [(responses, probe_batch(prompt, responses))]
+        box = [(responses, probe_batch(prompt, responses, routing if replayed else None))]
     dist.broadcast_object_list(box, src=0)
     if box[0] is None:  # the source rank's sync lost its engines: it syncs again
         return {}
@@ -60,12 +68,8 @@ def sync_weights(
     logprobs = learner.compute_logprobs(batch, old_logprob_pass=False)
     if syncer is None:
         return {}
-    gaps = check_parity(syncer.member_clients, prompt, responses, logprobs, tolerance)
-    return {
-        **_report_metrics(report),
-        "weight_sync/parity_max_gap": max(gaps.values()),
-        "weight_sync/parity_tolerance": tolerance,
-    }
+    gaps = parity_gaps(syncer.member_clients, prompt, responses, logprobs)
+    return check_parity(gaps, tolerance, replayed=replayed, metrics=_report_metrics(report))
 
 
 def _report_metrics(report) -> dict:

@@ -22,6 +22,13 @@ that dies during a sync, before or after buckets were broadcast, ends it with En
 the export is finished, the group torn down, the survivors' update session closed (they
 stay paused), and the next sync of the same version, over the engines alive then, sends
 the whole model again to survivors that may hold part of it.
+
+Dead is judged by EngineClient.state, which tells a paused engine (every member, during a
+sync) from a dead one: SGLang's /health generates a token, which waits while paused. A
+survivor that does not answer the session's close within SESSION_CLOSE_S is still inside
+the broadcast that lost its peer (NCCL: until its group's timeout, 30 minutes in SGLang
+0.5.23; gloo survivors leave once the group is dropped): EnginesLost names it in `restart`, with the dead, and it stays out of the group
+until the run says it restarted it.
 """
 
 from __future__ import annotations
@@ -38,7 +45,7 @@ from megatron_rlvr.config import WeightSyncConfig
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
-from megatron_rlvr.rollout.client import EngineClient, EngineRequestError
+from megatron_rlvr.rollout.client import EngineClient, EngineRequestError, EngineState
 from megatron_rlvr.weight_sync.buckets import Bucket, buckets
 from megatron_rlvr.weight_sync.transport import (
     abort_group,
@@ -59,7 +66,19 @@ class WeightSyncError(UserError):
 class EnginesLost(WeightSyncError):
     """Engines died during a sync. The export the learner ranks are inside was finished and
     the survivors' update session closed, so the run can sync the same version again once
-    the dead engines are restarted (survivors may hold part of it: every sync sends all)."""
+    the engines in `restart` are restarted (survivors may hold part of it: every sync sends
+    all). restart: indices of the dead engines and of survivors stuck inside the broadcast."""
+
+    def __init__(self, message: str, restart: Iterable[int] = ()):
+        super().__init__(message)
+        self.restart = tuple(restart)
+
+    def __reduce__(self):  # crosses Ray with its engine list
+        return (type(self), (str(self), self.restart))
+
+
+UNRESOLVED_ENGINE_WAIT_S = 600.0  # a config not through resolve() (tests): the default start timeout
+SESSION_CLOSE_S = 30.0  # how long survivors of a lost sync get to close their update session
 
 
 @dataclass
@@ -83,10 +102,12 @@ class WeightSyncer:
         group_name: str = "weight_update_group",
         initial_version: int | None = None,
         checksums: bool | None = None,
+        session_close_s: float = SESSION_CLOSE_S,
     ):
         """engine_ranks: the ranks each engine brings to the update group (its tp size; see
         transport.engine_rank_count); None: one each. checksums: send per-bucket checksums (a
-        CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum."""
+        CPU-engine extension SGLang refuses as an unknown field); None: weight_sync.checksum.
+        session_close_s: how long survivors of a lost sync get to close their session."""
         if engine_ranks is not None and len(engine_ranks) != len(clients):
             raise ValueError(f"{len(engine_ranks)} engine rank counts for {len(clients)} engines")
         self.clients = clients
@@ -104,6 +125,10 @@ class WeightSyncer:
         # the version whose sync lost an engine after buckets went out: the survivors hold
         # it (SGLang takes a bucket's version as it loads it) or the one before
         self.interrupted: int | None = None
+        # how long a sync waits for any engine to answer when none does (every one restarting)
+        self.engine_wait_s = cfg.engine_wait_s if cfg.engine_wait_s is not None else UNRESOLVED_ENGINE_WAIT_S
+        self.stuck: set[int] = set()  # left inside a lost broadcast: out until restarted
+        self.session_close_s = session_close_s
 
     @property
     def member_clients(self) -> list[EngineClient]:
@@ -164,18 +189,19 @@ class WeightSyncer:
                 return held
             await asyncio.sleep(1.0)
 
-    async def _refresh_members(
-        self, restarted_by_run: tuple[int, ...] = (), wait_s: float = 300.0
-    ) -> tuple[list[int], dict[int, str]]:
+    async def _refresh_members(self, restarted_by_run: tuple[int, ...] = ()) -> tuple[list[int], dict[int, str]]:
         """Re-forms the group when engines died or came back; returns those that joined and
         the version every live engine holds. A member back at the initial version after
         later syncs was restarted (its old process left the group): it needs the full
         model, which every sync sends, so it simply joins again. Before any sync a restart
-        does not show in the version: the run says which engines it restarted."""
-        held = await self._survey(wait_s)
+        does not show in the version: the run says which engines it restarted. An engine
+        left stuck in a lost broadcast stays out until the run says it restarted it."""
+        self.stuck -= set(restarted_by_run)
+        held = {i: v for i, v in (await self._survey(self.engine_wait_s)).items() if i not in self.stuck}
         if not held:
             raise WeightSyncError(
-                "no engine is alive to receive weights: " + ", ".join(c.base_url for c in self.clients)
+                f"no engine is alive to receive weights after {self.engine_wait_s:.0f} s "
+                "(weight_sync.engine_wait_s): " + ", ".join(c.base_url for c in self.clients)
             )
         live = sorted(held)
         restarted = [
@@ -245,11 +271,18 @@ class WeightSyncer:
             await self._all("end_weight_update", lambda c: c.end_weight_update())
             if self.cfg.pause_mode != "in_place":  # in place: no prefix cache (config checks)
                 await self._all("flush_cache", lambda c: c.flush_cache())
-        except EnginesLost:
+        except EnginesLost as lost:
             # buckets went out: the survivors may hold part of `version` and stay paused
             # until the sync of it again (generation on a mix of two versions is neither)
-            await self._recover(resume=self.interrupted is None)
-            raise
+            silent = await self._recover(resume=self.interrupted is None, skip=lost.restart)
+            if not silent:
+                raise
+            self.stuck |= set(silent)
+            raise EnginesLost(
+                f"{lost}; engine {', '.join(self.clients[i].base_url for i in silent)} did not close its "
+                f"update session within {self.session_close_s:.0f} s (still inside the lost broadcast): restart it too",
+                (*lost.restart, *silent),
+            ) from lost
         except BaseException:
             await self._recover()
             raise
@@ -296,7 +329,7 @@ class WeightSyncer:
             flush_cache=False,
             checksum=bucket.checksum() if self.checksums else None,
         )
-        clients = self.member_clients
+        clients, members = self.member_clients, self.members
         announced = [asyncio.create_task(c.update_weights_from_distributed(request)) for c in clients]
         what = f"bucket {index} ({len(bucket.names)} tensors, first {bucket.names[0]})"
         if index == 0 and self.cfg.refusal_wait_s > 0:  # refusals come before the engine posts its side
@@ -305,19 +338,27 @@ class WeightSyncer:
             if refused:
                 for task in announced:
                     task.cancel()
-                client, err = refused[0]
-                alive = await asyncio.gather(*(c.health() for c, _ in refused))
-                if not any(alive):  # died (a refusal is an answer): nothing was broadcast yet
-                    dead = ", ".join(c.base_url for c, _ in refused)
-                    raise EnginesLost(f"engine {dead} died before {what} was broadcast: {err}")
-                raise WeightSyncError(f"engine {client.base_url} refused {what} before its broadcast was posted: {err}")
+                self.group = None  # the others posted their side: dropping the group ends their wait (gloo)
+                states = await asyncio.gather(*(c.state() for c, _ in refused))
+                answered = [(c, e) for (c, e), state in zip(refused, states) if state is not EngineState.DOWN]
+                if answered:  # paused for this sync, or serving: a refusal, not a death
+                    client, err = answered[0]
+                    raise WeightSyncError(
+                        f"engine {client.base_url} refused {what} before its broadcast was posted: {err}"
+                    )
+                dead = [members[clients.index(c)] for c, _ in refused]  # nothing was broadcast yet
+                raise EnginesLost(
+                    f"engine {', '.join(self.clients[i].base_url for i in dead)} died before {what} was "
+                    f"broadcast: {refused[0][1]}",
+                    dead,
+                )
         # a daemon thread: a broadcast nobody matches must not keep the process alive at exit
         sending = asyncio.create_task(in_daemon_thread(broadcast, self.group, bucket.buffer))
         await asyncio.wait([sending, *announced], return_when=asyncio.FIRST_EXCEPTION)
         failures = [(c, t.exception()) for c, t in zip(clients, announced) if t.done() and t.exception()]
         if not sending.done() or sending.exception() is not None or failures:
             cause = failures[0][1] if failures else sending.exception() if sending.done() else None
-            await self._raise_if_lost(clients, version, what, cause, sending, announced)
+            await self._raise_if_lost(members, version, what, cause, sending, announced)
         if not sending.done():  # a live engine failed while the broadcast waits: nobody will match it
             self._tear_down(sending, announced)
             client, err = failures[0]
@@ -333,29 +374,31 @@ class WeightSyncer:
         failed = [(c, r) for c, r in zip(clients, results) if isinstance(r, BaseException)]
         if failed:
             client, err = failed[0]
-            await self._raise_if_lost(clients, version, what, err, sending, announced)
+            await self._raise_if_lost(members, version, what, err, sending, announced)
             raise WeightSyncError(f"engine {client.base_url} rejected {what}: {err}")
 
     async def _raise_if_lost(
         self,
-        clients: list[EngineClient],
+        members: list[int],
         version: int,
         what: str,
         cause: BaseException | None,
         sending: asyncio.Task,
         announced: list[asyncio.Task],
     ) -> None:
-        """After a posted broadcast or an engine's answer failed: if an engine is dead (its
-        /health is the judge), the sync is lost, not refused, and the run can sync again."""
-        alive = await asyncio.gather(*(c.health() for c in clients))
-        dead = [c.base_url for c, up in zip(clients, alive) if not up]
+        """After a posted broadcast or an engine's answer failed: if an engine is down (its
+        state is the judge: the others are paused for this sync, which is not dead), the sync
+        is lost, not refused, and the run can sync again."""
+        states = await asyncio.gather(*(self.clients[i].state() for i in members))
+        dead = [i for i, state in zip(members, states) if state is EngineState.DOWN]
         if not dead:
             return
         self._tear_down(sending, announced)
         self.interrupted = version  # the survivors may have loaded earlier buckets, maybe this one
         raise EnginesLost(
-            f"engine {', '.join(dead)} died during the sync, at {what} (its broadcast posted; "
-            f"update group torn down): {cause}"
+            f"engine {', '.join(self.clients[i].base_url for i in dead)} died during the sync, at {what} "
+            f"(its broadcast posted; update group torn down): {cause}",
+            dead,
         )
 
     def _tear_down(self, sending: asyncio.Task, announced: list[asyncio.Task]) -> None:
@@ -369,18 +412,32 @@ class WeightSyncer:
             sending.cancel()
         self.group = None
 
-    async def _recover(self, timeout_s: float = 30.0, *, resume: bool = True) -> None:
+    async def _recover(self, *, resume: bool = True, skip: tuple[int, ...] = ()) -> list[int]:
         """After a failed sync, best effort: close the update session (SGLang refuses to open
-        a new one while one is open) and resume generation unless told not to, bounded: an
-        engine still waiting for a broadcast may not answer."""
+        a new one while one is open) and resume generation unless told not to, each bounded
+        by session_close_s. Returns the members (not in `skip`: the dead) that did not answer
+        the close: still waiting inside a broadcast."""
+        members = [i for i in self.members if i not in skip]
+        silent: list[int] = []
         steps = [lambda c: c.end_weight_update()] + ([lambda c: c.resume()] if resume else [])
         for step in steps:
-            try:
-                await asyncio.wait_for(
-                    asyncio.gather(*(step(c) for c in self.member_clients), return_exceptions=True), timeout_s
+            asking = [i for i in members if i not in silent]
+            if not asking:
+                break
+            tasks = [asyncio.create_task(step(self.clients[i])) for i in asking]
+            _, pending = await asyncio.wait(tasks, timeout=self.session_close_s)
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            late = [i for i, task in zip(asking, tasks) if task in pending]
+            if late:
+                log.warning(
+                    "engine %s did not answer within %.0f s after a failed sync",
+                    ", ".join(self.clients[i].base_url for i in late),
+                    self.session_close_s,
                 )
-            except TimeoutError:
-                log.warning("engines did not answer within %.0f s after a failed sync", timeout_s)
+            silent += late
+        return silent
 
     async def _all(self, what: str, call) -> None:
         results = await asyncio.gather(*(call(c) for c in self.member_clients), return_exceptions=True)
