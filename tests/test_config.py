@@ -97,7 +97,7 @@ def _problems(overrides, path=TINY):
         (["nosuchsection.x=1"], "nosuchsection: unknown field"),
         (["parallel=3"], "parallel = 3"),
         (["algo.kind"], "expected dotted.key=value"),
-        (["verifier.kind=chemistry"], "verifier.kind = 'chemistry': unknown verifier (known: math, code)"),
+        (["verifier.kind=chemistry"], "verifier.kind = 'chemistry': unknown verifier (known: math, code, ifeval)"),
         (["verifier.by_data_source={openai/gsm8k: mth}"], "verifier.by_data_source.openai/gsm8k = 'mth': unknown"),
         (["verifier.functions={math: 'a:b'}"], "verifier.functions.math: 'math' is a built-in verifier"),
         (["verifier.functions={mine: 'just_a_module'}"], "verifier.functions.mine = 'just_a_module': expected"),

@@ -122,7 +122,7 @@ def test_bad_rows_name_file_and_row_or_are_skipped_and_counted(tmp_path):
     assert [r.prompt_id for r in loaded.records] == ["0"]
     assert loaded.skipped == [
         (f"{path}:row 2", "missing 'reward_model.ground_truth'"),
-        (f"{path}:row 3", "unknown verifier 'chemistry' in 'ability' (known: math, code)"),
+        (f"{path}:row 3", "unknown verifier 'chemistry' in 'ability' (known: math, code, ifeval)"),
         (f"{path}:row 4", "'prompt' message 0: role 'narrator' is not one of system, user, assistant, tool"),
         (f"{path}:row 5", "id '0' repeats the one at " + f"{path}:row 1"),
     ]

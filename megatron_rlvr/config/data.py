@@ -14,7 +14,7 @@ from megatron_rlvr.config.base import raise_problems as _raise
 # ----------------------------------------------------------------------------- verifier
 # Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in
 # verifier.functions add their own names.
-BUILTIN_VERIFIERS = ("math", "code")
+BUILTIN_VERIFIERS = ("math", "code", "ifeval")
 
 
 class CodeVerifierConfig(Section):
@@ -27,13 +27,28 @@ class CodeVerifierConfig(Section):
     max_output_kb: PositiveInt = Field(1024, description="stdout one test may write (more: a 0, output_limit)")
 
 
+class IFEvalVerifierConfig(Section):
+    """Instruction following: IFEval's and IFBench's checkers (the if-verifiable package) on the
+    record's instruction ids and kwargs (docs/data-and-verifiers.md, Instruction following)."""
+
+    grading: Literal["binary", "fraction"] = Field(
+        "binary",
+        description="binary: 1 when every instruction is followed, else 0; fraction: instructions followed / instructions",
+    )
+    loose: bool = Field(
+        False,
+        description="false: IFEval's strict reading (the response as it is); true: its loose one (also "
+        "passes with the first or last line dropped or '*' removed)",
+    )
+
+
 class VerifierConfig(Section):
     """Which verifier scores each record, and the sandbox they run in."""
 
     kind: str = Field(
         "math",
         description="the verifier of records that name none and whose data_source is not in "
-        "by_data_source: math, code, or a name in verifier.functions",
+        "by_data_source: math, code, ifeval, or a name in verifier.functions",
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict,
@@ -51,6 +66,9 @@ class VerifierConfig(Section):
         1024, description="address-space limit of one sandboxed code test or function call, MiB"
     )
     code: CodeVerifierConfig = Field(default_factory=CodeVerifierConfig, description="the code verifier")
+    ifeval: IFEvalVerifierConfig = Field(
+        default_factory=IFEvalVerifierConfig, description="the instruction-following verifier"
+    )
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:

@@ -84,7 +84,14 @@ def parse_row(row: Any, source: ResolvedFileSource, verifiers: VerifierConfig) -
     data_source = "" if data_source in (_MISSING, None) else str(data_source)
     verifier = _verifier(row, source, verifiers, data_source)
     answer = lookup(row, source.answer_key)
-    if answer is _MISSING or answer is None or answer == "":
+    if verifier == "ifeval":  # its ground truth, or Google's IFEval columns of the row itself
+        from megatron_rlvr.rewards.instruction.ground_truth import ConstraintError, read_constraints  # NLTK: only here
+
+        try:
+            answer = read_constraints(None if answer in (_MISSING, None, "") else answer, row)
+        except ConstraintError as err:
+            raise BadRow(f"ifeval instructions: {err}") from None
+    elif answer is _MISSING or answer is None or answer == "":
         if verifier not in verifiers.functions:  # your own function may need no ground truth
             raise BadRow(f"missing {source.answer_key!r}")
         answer = None

@@ -1,6 +1,6 @@
 """Every verifier of a run behind one call: a group's responses go to the verifier its record
-names (math, code, or one of the user's functions), with reasoning stripped first (math and
-code strip it themselves)."""
+names (math, code, ifeval, or one of the user's functions), with reasoning stripped first (math,
+code and ifeval strip it themselves)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from megatron_rlvr.config import VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rewards.code import CodeVerifier
 from megatron_rlvr.rewards.custom import function_verifier
+from megatron_rlvr.rewards.instruction.verifier import IFEvalVerifier
 from megatron_rlvr.rewards.math import MathVerifier
 from megatron_rlvr.rewards.verdict import Verdict
 
@@ -26,6 +27,9 @@ class Verifiers:
             reward=cfg.code.reward,
             parallel=1,
         )
+        self.ifeval = IFEvalVerifier(
+            grading=cfg.ifeval.grading, loose=cfg.ifeval.loose, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb
+        )
         self.functions = {
             name: function_verifier(spec, timeout_s=cfg.timeout_s, memory_mb=cfg.memory_mb)
             for name, spec in functions.items()
@@ -39,10 +43,13 @@ class Verifiers:
             return self.math.verify_batch(responses, [str(record.answer)] * len(responses))
         if record.verifier == "code":
             return self.code.verify_batch(responses, record.answer)  # extract_code strips reasoning
+        if record.verifier == "ifeval":
+            return self.ifeval.verify_batch(responses, record)  # the checkers strip reasoning
         return self.functions[record.verifier].verify_batch(responses, record.to_dict())
 
     def close(self) -> None:
         self.math.close()
+        self.ifeval.close()
 
 
 class VerdictStats:
