@@ -112,7 +112,18 @@ _FONT_GROUP = re.compile(
 )
 _SCIENTIFIC_X = re.compile(r"(?<=\d)\s*[xX]\s*(?=10\s*\^)")  # 3 x 10^8
 _REPEATING_PARENS = re.compile(r"(\d\.\d*)\((\d+)\)")  # 0.(3), 0.1(6)
-_REPEATING_DOTS = re.compile(r"(\d\.\d*?)(\d)\2{2,}\s*(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
+_REPEATING_DOTS = re.compile(r"(\d\.)(\d++)\s*+(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
+
+
+def _repeating(match: re.Match) -> str:
+    """0.1666... → 0.16\\overline{6}: the run of one digit (three or more) that the dots extend."""
+    digits = match.group(2)
+    run = len(digits) - len(digits.rstrip(digits[-1]))
+    if run < 3:
+        return match.group(0)
+    return match.group(1) + digits[: len(digits) - run + 1] + "\\overline{" + digits[-1] + "}"
+
+
 _MIXED_PLAIN = re.compile(r"(?<![\d.\\])(\d+) +(\d+)/(\d+)(?![\d.])")
 _CONNECTIVES = {"or": r" \TXT{or} ", "and": r" \TXT{and} "}
 KNOWN_FUNCTIONS = {
@@ -254,7 +265,7 @@ def clean(answer: str) -> str:
     s = rewrite_forms(s)
     s = _SCIENTIFIC_X.sub(r" \\times ", s)
     s = _REPEATING_PARENS.sub(r"\1\\overline{\2}", s)
-    s = _REPEATING_DOTS.sub(r"\1\2\\overline{\2}", s)
+    s = _REPEATING_DOTS.sub(_repeating, s)
     s = _FRAC_ALIASES.sub(r"\\frac", s)
     s = _BINOM_ALIASES.sub(r"\\binom", s)
     s = _THOUSANDS_BRACE.sub("", s)

@@ -83,7 +83,8 @@ def last_boxed(text: str) -> str | None:
 
 # text between two boxes that makes them one answer: "$ and $x = ", "\), \(", "\quad \text{or} \quad"
 _GAP_NOISE = re.compile(r"\\text\s*\{\s*(and|or)\s*\}|\\[()\[\]]|\\q?quad|\\[,;:! ]|[$~,;]|\\\\")
-_JOINING_GAP = re.compile(r"(?:\s*(?:and|or|[a-zA-Z](?:_\{?\w+\}?)?\s*=))*\s*", re.IGNORECASE)
+# possessive runs: a gap that is not one answer's join fails in one pass, not by retrying splits
+_JOINING_GAP = re.compile(r"(?:\s*+(?:and|or|[a-zA-Z](?:_\{?[A-Za-z0-9]++\}?)?\s*+=))*\s*", re.IGNORECASE)
 _HEDGE = re.compile(r"\b(?:alternatively|or|maybe|perhaps|possibly|could also be|might also be|otherwise)\b", re.I)
 _CORRECTION = re.compile(r"\b(?:wait|actually|mistake|re-?check|correct|error|instead|oops|however|rather|no)\b", re.I)
 
@@ -119,9 +120,20 @@ def _final_boxes(text: str) -> list[str]:
     return _as_point(text, group[::-1], group_starts[::-1], last_end)
 
 
-_LABEL = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z])\s*=\s*(?:\$|\\\(|\s)*$")  # "y = $" before a box
-_MATH_OPENERS = re.compile(r"(?:\\\(|\\\[|\$|\s)+$")
+_LABEL = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z])\s*=(?:\$|\\\(|\s)*$")  # "y = $" before a box
 _MATH_CLOSERS = re.compile(r"^(?:\\\)|\\\]|\$|\s)+")
+
+
+def _strip_openers(text: str) -> str:
+    """text less the blanks, `$`, `\\(` and `\\[` it ends with (a loop: a pattern anchored at the
+    end would retry every position of a long blank run)."""
+    while True:
+        stripped = text.rstrip()
+        for opener in ("\\(", "\\[", "$"):
+            stripped = stripped.removesuffix(opener)
+        if stripped == text:
+            return text
+        text = stripped
 
 
 def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> list[str]:
@@ -129,7 +141,7 @@ def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> li
     with distinct names (`a = \\boxed{1}`, `b = \\boxed{4}`) keep their labels."""
     if len(contents) < 2:
         return contents
-    before = _MATH_OPENERS.sub("", text[max(0, starts[0] - 20) : starts[0]])
+    before = _strip_openers(text[max(0, starts[0] - 20) : starts[0]])
     after = _MATH_CLOSERS.sub("", text[end : end + 20])
     if before.endswith(("(", "\\left(")) and after.startswith((")", "\\right)")):
         return ["(" + ", ".join(contents) + ")"]
@@ -151,20 +163,22 @@ _CORRECTED = re.compile(  # "The answer is 7. Wait, actually it should be 8.": t
 )
 _MATH_SPAN = re.compile(  # an escaped \$ inside is a dollar sign, never the span's end: $\\$18$
     r"(?<!\\)\$\$((?:\\.|[^\\]){1,3000}?)\$\$|(?<!\\)\$((?:\\.|[^\\$]){1,3000}?)\$"
-    r"|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]",
+    r"|\\\(((?:(?!\\[()]).){1,3000}?)\\\)|\\\[((?:(?!\\[\[\]]).){1,3000}?)\\\]",  # never across an opener
     re.DOTALL,
 )
 _SENTENCE_END = re.compile(
     r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
-    r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
-    r"|[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
+    r"|(?<![ \t])[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
+    r"|(?<![ \t])[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
 )
 _FILLER = re.compile(  # "the answer is therefore the number 42"
     r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
     r"given by)\s+)+",
     re.IGNORECASE,
 )
-_WORDS_IN_PARENS = re.compile(r"[ \t]*\((?:[A-Za-z]{2,}[ ,]*)+\)")  # "7 (seven) apples"
+# "7 (seven) apples": words and separators alternate, so no two repeats can split one run of
+# letters between them (that nesting was exponential), and a try starts only where blanks start
+_WORDS_IN_PARENS = re.compile(r"(?<![ \t])[ \t]*\([A-Za-z]{2,}(?:[ ,]+[A-Za-z]{2,})*[ ,]*\)")
 _PLAIN_UNITS = {
     "m",
     "s",
@@ -200,7 +214,7 @@ _PLAIN_UNITS = {
     "lbs",
     "oz",
 }
-_NUMBER_AND_UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)")
+_NUMBER_AND_UNITS = re.compile(r"(?<![-+\d,.])([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)")
 _NUMBER = re.compile(r"(?:\d+'\s?\d+(?:''|\")|[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
 _BOLD = re.compile(r"\*\*([^*\n]{1,200})\*\*")
 _NO_SOLUTION = re.compile(r"no (?:real )?solutions?", re.IGNORECASE)
@@ -259,7 +273,7 @@ def _strip_thinking(text: str) -> str:
 
 
 MIN_CUT_CHARS = 100  # a short reply without a full stop is terse, not cut off
-_OPEN_END = re.compile(r"(?:[=+\-*/^(\[{,:]|\\(?:times|cdot|frac|sqrt))\s*\$?\s*$")
+_OPEN_END = re.compile(r"(?:[=+\-*/^(\[{,:]|\\(?:times|cdot|frac|sqrt))\s*+(?:\$\s*+)?$")
 
 
 def _cut_off(text: str) -> bool:
