@@ -86,11 +86,11 @@ _WRAPPERS = re.compile(
     r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits|big|Big|bigg|Bigg)[lr]?(?![a-zA-Z])"
     r"|\\(?:left|right)\s*(?:\.|(?=[^a-zA-Z]))|\\(?:left|right)(?=\\)|\$|\\[()\[\]]"
 )
-_SPACES = re.compile(r"\\[,;:> ]|\\q?quad(?![a-zA-Z])|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
-_THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000
+_SPACES = re.compile(r"\\[,;:> ]|\\q?quad|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
+_THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!\s*)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000, 1,\! 000
 _THOUSANDS_THIN = re.compile(r"(?<=\d)(?:\\[,;: !]|~)(?=\d{3}(?!\d))")
 _THOUSANDS_SPACE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d|\.\d)")
-_THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])")
+_THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?(?![\d,])")  # never 0,111
 _FRAC_ALIASES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _BINOM_ALIASES = re.compile(r"\\[dt]binom(?![a-zA-Z])")
 _DEGREES = re.compile(  # braces only in pairs: {90^\circ} keeps its group's closing brace

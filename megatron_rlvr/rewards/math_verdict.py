@@ -6,6 +6,9 @@ inside the sandbox workers (rewards/sandbox.py), under their per-pair deadline."
 
 from __future__ import annotations
 
+import re
+from fractions import Fraction
+
 from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_compare import FastBackend, compare
 from megatron_rlvr.rewards.math_eval import rational
@@ -17,6 +20,55 @@ from megatron_rlvr.rewards.math_units import signature
 from megatron_rlvr.rewards.verdict import Verdict
 
 _FAST = FastBackend()
+
+
+# an escaped command written with its backslash doubled (`\\frac`, as JSON-escaped text shows it);
+# never the row break before a command (`1 \\ \frac12` keeps its break); not the relations, whose
+# doubled spelling math-verify leaves unread (its label for `-2 \\le x \\le 7` against an interval)
+_DOUBLED = re.compile(
+    r"(?<!\\)\\\\(?=(?:boxed|[dt]?frac|left|right|sqrt|pi|cdot|times|infty|text|mathrm|cup|in)(?![a-zA-Z]))"
+)
+_DOUBLED_RELATION = re.compile(r"(?<!\\)\\\\(?=(?:leq?|geq?|neq?|lt|gt)(?![a-zA-Z]))")
+_ONE_LETTER_TEXT = re.compile(r"\\TXT\{([A-Za-z])\}")  # a whole answer \text{e} is the letter e
+# the left side of a gold `name = value`: names, subscripts, ratios, |AB|, \frac{NO}{BO}
+_NAME_SIDE = re.compile(
+    r"(?:[A-Za-z]|\\TXT\{[A-Za-z]+\}|_\{(?:[A-Za-z0-9]|\\TXT\{[A-Za-z]+\})*\}|_[A-Za-z0-9]|[|:{}\s]|\\frac)++"
+)
+_VARIABLE = re.compile(r"(?<![\\a-zA-Z])[a-zA-Z](?![a-zA-Z])")
+_GOLD_DECIMAL_COMMA = re.compile(r"(?<!\d)(-?\d+),(\d+)")
+_DECIMAL = re.compile(r"(?<!\d)-?\d*\.(\d+)")
+LONG_DECIMAL_DIGITS = 10  # a decimal this long is the exact value's expansion, not an estimate
+
+
+def _one_letter(answer: str) -> str:
+    whole = _ONE_LETTER_TEXT.fullmatch(answer)
+    return whole.group(1) if whole else answer
+
+
+def _gold_value(gold_clean: str, pred_clean: str) -> str:
+    """What the response is compared with, read from the gold answer where the response gives
+    only a value: the value of a labelled gold (`|AB| = 1`, `V_1:V_2 = 11:21`: the label is a
+    name, the value holds no variable), and a gold decimal comma after a lone zero (`0,111` is
+    0.111; `1,22` stays the list 1, 22) when the response is a decimal number."""
+    parts = gold_clean.split("=")
+    if len(parts) == 2 and "=" not in pred_clean and _NAME_SIDE.fullmatch(parts[0].strip()):
+        value = parts[1].strip()
+        if value and not _VARIABLE.search(value):
+            return value
+    comma = _GOLD_DECIMAL_COMMA.fullmatch(gold_clean)
+    if comma and comma.group(1).lstrip("-") == "0" and _DECIMAL.fullmatch(pred_clean):
+        return f"{comma.group(1)}.{comma.group(2)}"
+    return gold_clean
+
+
+def _long_decimal(pred_clean: str, gold_tree) -> bool | None:
+    """A decimal of LONG_DECIMAL_DIGITS or more places against a rational gold: equal when it
+    is within one unit of its last place (0.0833333333333333 for 1/12); None otherwise."""
+    decimal = _DECIMAL.fullmatch(pred_clean)
+    gold = rational(gold_tree)
+    if decimal is None or gold is None or len(decimal.group(1)) < LONG_DECIMAL_DIGITS:
+        return None
+    return abs(Fraction(pred_clean) - gold) <= Fraction(1, 10 ** len(decimal.group(1)))
 
 
 def _same_tokens(a: str, b: str) -> bool:
@@ -48,11 +100,14 @@ def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
     try:
         if not isinstance(response, str) or not isinstance(gold, str):
             return 0.0, "not_a_string"
+        response, gold = _DOUBLED.sub("\\\\", response), _DOUBLED_RELATION.sub("\\\\", _DOUBLED.sub("\\\\", gold))
         gold_raw, answers = gold_answer(gold), extract_answers(response)
-        gold_clean = clean(gold_raw)
+        gold_clean = _one_letter(clean(gold_raw))
         pred_clean = ", ".join(drop_approximations(clean(answer)) for answer in answers)
+        pred_clean = _one_letter(pred_clean)
         if not pred_clean.strip(", "):
             return 0.0, "no_answer"
+        gold_clean = _gold_value(gold_clean, pred_clean)
         if _same_tokens(pred_clean, gold_clean):
             return 1.0, "exact"
         pred_units, gold_units = signature(pred_clean, " ".join(answers)), signature(gold_clean, gold_raw)
@@ -63,6 +118,9 @@ def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
         except AnswerError:  # a gold answer in prose: compare it as words
             equal = text_node(gold_clean) == text_node(pred_clean)
             return (1.0, "text_equal") if equal else (0.0, "gold_unparsed")
+        long_decimal = _long_decimal(pred_clean, gold_tree)
+        if long_decimal is not None:
+            return (1.0, "decimal_expansion") if long_decimal else (0.0, "numeric_mismatch")
         pred_clean, pred_tree = _read_response(foreign_number(pred_clean, rational(gold_tree)), gold_tree)
         equal, reason = compare(pred_tree, gold_tree, _FAST)
         if equal is None:
