@@ -9,6 +9,7 @@ import asyncio
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 from megatron_rlvr.config import Config
@@ -60,18 +61,32 @@ def test_100_kb_adversarial_responses_are_read_within_the_timeout():
     assert [reward for reward, _ in verdicts] == [0.0] * 9 + [1.0]
 
 
+def _step(pool: VerifierPool, group: list[str], record: PromptRecord, bound_s: float = 120.0) -> list[float]:
+    """One scoring step, waited on for at most bound_s: a verifier that hangs fails the test
+    here with TimeoutError (the thread is a daemon: a hung step cannot hold the test process)."""
+    result: dict[str, list[float]] = {}
+    thread = threading.Thread(target=lambda: result.update(rewards=asyncio.run(pool(group, record))), daemon=True)
+    thread.start()
+    thread.join(bound_s)
+    if thread.is_alive():
+        raise TimeoutError(f"the verifier pool's step did not finish within {bound_s} s")
+    return result["rewards"]
+
+
 def test_a_hanging_response_is_scored_timeout_and_the_pool_finishes_its_step():
     cfg = Config.model_validate({"verifier": {"timeout_s": 1.0, "num_workers": 1}})
     pool = VerifierPool(cfg, InProcess(cfg))
     record = PromptRecord("m", "sin(e^e^e^3) to 40 digits", "0", "math")
+    hung = False
     try:
-        group = ["\\boxed{0}", RUNAWAY, WORD_BAIT, "The answer is $0$."]
-        # bounded wait: a verifier that hangs fails here instead of hanging the test
-        rewards = asyncio.run(asyncio.wait_for(pool(group, record), timeout=120))
-        assert rewards == [1.0, 0.0, 0.0, 1.0]
+        assert _step(pool, ["\\boxed{0}", RUNAWAY, WORD_BAIT, "The answer is $0$."], record) == [1.0, 0.0, 0.0, 1.0]
         metrics = pool.take_metrics()
         assert metrics["verifier/timeout"] == 1 and metrics["verifier/math/timeout"] == 1, metrics
         # the worker that was killed has been replaced: the next group is scored as usual
-        assert asyncio.run(asyncio.wait_for(pool(["\\boxed{0}"], record), timeout=120)) == [1.0]
+        assert _step(pool, ["\\boxed{0}"], record) == [1.0]
+    except TimeoutError:
+        hung = True  # the hung step still holds the pool: leave it
+        raise
     finally:
-        pool.close()
+        if not hung:
+            pool.close()

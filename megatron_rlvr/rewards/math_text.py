@@ -85,7 +85,7 @@ def last_boxed(text: str) -> str | None:
 _GAP_NOISE = re.compile(r"\\text\s*\{\s*(and|or)\s*\}|\\[()\[\]]|\\q?quad|\\[,;:! ]|[$~,;]|\\\\")
 # possessive runs: a gap that is not one answer's join fails in one pass, not by retrying splits
 _JOINING_GAP = re.compile(  # "and", "or", "x =", and one word before "and" ("\boxed{1} papers and \boxed{2}")
-    r"(?:\s*+(?:and|or|[a-zA-Z](?:_\{?[A-Za-z0-9]++\}?)?\s*+=|[a-zA-Z]++\s++(?=and\b)))*\s*", re.IGNORECASE
+    r"(?:\s*+(?:and|or|[a-zA-Z](?:_\{?[A-Za-z0-9]++\}?)?\s*+=|(?<![a-zA-Z])[a-zA-Z]++\s++(?=and\b)))*\s*", re.IGNORECASE
 )
 _HEDGE = re.compile(r"\b(?:alternatively|or|maybe|perhaps|possibly|could also be|might also be|otherwise)\b", re.I)
 _PARTS = re.compile(r"\bpart\s*\(?[a-z0-9]\b", re.I)  # answers to parts (a) and (b) are one answer
@@ -229,7 +229,7 @@ _LATEX_FRACTION = re.compile(r"-?\\[dt]?frac\{[^{}$\n]{1,40}\}\{[^{}$\n]{1,40}\}
 _BOLD = re.compile(r"\*\*([^*\n]{1,200})\*\*")
 _NO_SOLUTION = re.compile(r"no (?:real )?solutions?", re.IGNORECASE)
 _STATED = re.compile(r"\s(?:is|are|equals|was)\s")  # "the largest n is 34": the value after the verb
-_SPLIT = re.compile(r"[ \t]*\n")
+_SPLIT = re.compile(r"(?<![ \t])[ \t]*\n")
 _JOINED_SPANS = re.compile(r"(?:\s|,|;|\band\b|\bor\b|\bboth\b)*", re.IGNORECASE)
 
 

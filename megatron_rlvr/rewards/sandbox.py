@@ -58,8 +58,8 @@ def verdict_in_worker(response: str, gold: str) -> Verdict:
     they leave undecided."""
     prepared = prepare(response, gold)
     if not isinstance(prepared[0], str):
-        return prepared  # type: ignore[return-value]
-    equal, reason = compare_in_worker(*prepared)  # type: ignore[misc]
+        return prepared
+    equal, reason = compare_in_worker(*prepared)
     return (1.0 if equal else 0.0), reason
 
 
