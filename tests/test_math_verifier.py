@@ -13,12 +13,13 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.rewards import VERIFIERS
-from megatron_rlvr.rewards.math import MathVerifier, prepare, verify_math, verify_math_batch, verify_math_detailed
+from megatron_rlvr.rewards.math import MathVerifier, verify_math, verify_math_batch, verify_math_detailed
 from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
 from megatron_rlvr.rewards.math_latex import clean
 from megatron_rlvr.rewards.math_parse import parse_answer
 from megatron_rlvr.rewards.math_text import AnswerError, box_at, box_starts, extract_answers
 from megatron_rlvr.rewards.math_units import signature
+from megatron_rlvr.rewards.math_verdict import prepare
 
 DATA = Path(__file__).parent / "data"
 CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]
@@ -88,18 +89,15 @@ def test_harmless_rewrites_keep_every_verdict(verifier):
     "case", [c for c in CASES if c["tag"] == "adversarial"], ids=lambda c: repr(c["response"][:30])
 )
 def test_hostile_inputs_return_zero_within_the_timeout(verifier, case):
-    # the sandboxed work is bounded by the worker's timeout; what runs in the caller is measured
-    # in this process's CPU time, which other jobs on the machine do not inflate
-    start = time.process_time()
+    # the whole verdict runs in a killable worker: a response the reading could not finish in
+    # time would come back as "timeout"; a hostile one is read and refused on its merits
     reward, reason = verifier.verify(case["response"], case["gold"])
-    assert reward == 0.0 and reason
-    assert time.process_time() - start < TIMEOUT + 1.5
+    assert reward == 0.0 and reason and reason != "timeout", reason
 
 
 def test_megabyte_and_backtracking_bait_responses_are_read_in_time(verifier):
-    # the caller's process has no timeout: every pattern that reads a response must be linear
-    # (this process's CPU time: other jobs on the machine do not inflate it)
-    start = time.process_time()
+    # every pattern that reads a response must be linear: bait the worker could not read within
+    # the timeout would come back as "timeout" (tests/test_math_bounded.py times each pattern)
     assert verifier.verify("x" * 1_000_000 + " so the answer is \\boxed{12}", "12") == (1.0, "exact")
     for bait in (
         "(" * 500_000 + "$" * 500_000,
@@ -109,8 +107,8 @@ def test_megabyte_and_backtracking_bait_responses_are_read_in_time(verifier):
         "the answer is 5" + " " * 3_000 + "x",
         "the roots of " + "a" * 500_000 + " are",
     ):
-        assert verifier.verify(bait, "12")[0] == 0.0
-    assert time.process_time() - start < 20
+        reward, reason = verifier.verify(bait, "12")
+        assert reward == 0.0 and reason != "timeout", (bait[:20], reason)
 
 
 def test_runaway_sympy_is_killed_and_the_pool_recovers(verifier):
@@ -304,7 +302,7 @@ def test_a_sandbox_that_cannot_start_fails_fast_instead_of_hanging():
         verdicts = broken.verify_batch(
             ["\\boxed{\\tan^6 x}", "\\boxed{3}"], ["\\sec^6 x - 3\\sec^4 x + 3\\sec^2 x - 1", "3"]
         )
-    assert verdicts == [(0.0, "sandbox_unavailable"), (1.0, "exact")]
+    assert verdicts == [(0.0, "sandbox_unavailable")] * 2  # every verdict is the sandbox's
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""The sympy worker pool replaces a worker that never says ready, or that dies while a task
+"""The verdict worker pool replaces a worker that never says ready, or that dies while a task
 is being written to it, within a bound, and never raises to its caller."""
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ class ScriptedPool(SandboxPool):
 def test_a_worker_that_never_says_ready_is_replaced_within_the_start_bound():
     pool = ScriptedPool([NEVER_READY])
     try:
-        verdicts = pool.compare([("3", "3"), ("1/2", "3/4")], timeout_s=10.0)
-        assert [equal for equal, _ in verdicts] == [True, False]  # answered, not timed out
+        verdicts = pool.verdicts([("\\boxed{3}", "3"), ("\\boxed{1/2}", "3/4")], timeout_s=10.0)
+        assert [reward for reward, _ in verdicts] == [1.0, 0.0]  # answered, not timed out
         assert pool.started == 2  # by the replacement of the worker that never said ready
     finally:
         pool.close()
@@ -53,7 +53,7 @@ def test_a_worker_that_never_says_ready_is_replaced_within_the_start_bound():
 def test_workers_that_never_start_end_in_a_verdict_not_a_hang():
     pool = ScriptedPool([NEVER_READY] * 3, stand_in_start_s=0.5)
     try:
-        assert pool.compare([("3", "3")], timeout_s=10.0) == [(False, "sandbox_unavailable")]
+        assert pool.verdicts([("\\boxed{3}", "3")], timeout_s=10.0) == [(0.0, "sandbox_unavailable")]
     finally:
         pool.close()
 
@@ -61,8 +61,8 @@ def test_workers_that_never_start_end_in_a_verdict_not_a_hang():
 def test_a_worker_that_dies_while_its_task_is_written_loses_no_task():
     pool = ScriptedPool([DIES_ON_WRITE])
     try:
-        verdicts = pool.compare([("3", "3"), ("4", "5")], timeout_s=10.0)
-        assert [equal for equal, _ in verdicts] == [True, False]
+        verdicts = pool.verdicts([("\\boxed{3}", "3"), ("\\boxed{4}", "5")], timeout_s=10.0)
+        assert [reward for reward, _ in verdicts] == [1.0, 0.0]
         assert "worker_died" not in [reason for _, reason in verdicts]
         assert pool.started == 2
     finally:
@@ -72,6 +72,6 @@ def test_a_worker_that_dies_while_its_task_is_written_loses_no_task():
 def test_a_task_whose_workers_keep_dying_on_write_is_scored_not_raised():
     pool = ScriptedPool([DIES_ON_WRITE] * 4)
     try:
-        assert pool.compare([("3", "3")], timeout_s=10.0) == [(False, "worker_died")]
+        assert pool.verdicts([("\\boxed{3}", "3")], timeout_s=10.0) == [(0.0, "worker_died")]
     finally:
         pool.close()

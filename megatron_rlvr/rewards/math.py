@@ -1,13 +1,14 @@
 """Math answer verification: `verify_math(response, gold)` → 1.0 or 0.0.
 
-In the caller's process, every step bounded: find the final answer (math_text), clean it
-(math_latex), read what it commits to (math_answer: an exact value before its approximation,
-the value after a label, a decimal comma), refuse a different unit (math_units: 12 kJ is not
-12 J), parse it into a tree (math_parse) and compare with exact numbers, canonical forms and
-sampled values (math_compare, math_eval). Only pairs these cannot settle go to
-sympy, in sandboxed worker processes with a hard per-answer timeout. Nothing here raises to
-the caller or hangs: every failure is a 0.0 with a reason, and `MathVerifier.stats` counts
-the reasons (the run logs them as `verifier/<reason>`).
+Every pair is decided in a sandboxed worker process under a hard per-pair deadline (sandbox.py):
+find the final answer (math_text), clean it (math_latex), read what it commits to (math_answer:
+an exact value before its approximation, the value after a label, a decimal comma), refuse a
+different unit (math_units: 12 kJ is not 12 J), parse it into a tree (math_parse) and compare
+with exact numbers, canonical forms and sampled values (math_compare, math_eval), then sympy for
+what these cannot settle (math_verdict, math_sympy). Nothing here raises to the caller or hangs:
+a worker past the deadline is killed and replaced and its pair is (0.0, "timeout"); every
+failure is a 0.0 with a reason, and `MathVerifier.stats` counts the reasons (the run logs them
+as `verifier/<reason>`).
 """
 
 from __future__ import annotations
@@ -15,77 +16,9 @@ from __future__ import annotations
 import atexit
 import functools
 from collections import Counter
-from typing import cast
 
-from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
-from megatron_rlvr.rewards.math_compare import FastBackend, compare
-from megatron_rlvr.rewards.math_eval import rational
-from megatron_rlvr.rewards.math_latex import clean
-from megatron_rlvr.rewards.math_parse import parse_answer, text_node
-from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
-from megatron_rlvr.rewards.math_tokens import tokenize
-from megatron_rlvr.rewards.math_units import signature
 from megatron_rlvr.rewards.sandbox import SandboxPool
 from megatron_rlvr.rewards.verdict import Verdict
-
-_FAST = FastBackend()
-
-
-def _same_tokens(a: str, b: str) -> bool:
-    """Equal up to spacing that does not change meaning (3 : 4 and 3:4, but never 4e-1 and
-    4e - 1)."""
-    if a == b:
-        return True
-    try:
-        return tokenize(a) == tokenize(b)
-    except AnswerError:
-        return False
-
-
-def _read_response(pred_clean: str, gold_tree) -> tuple[str, tuple]:
-    """(text, tree) of the response's answer, the text being what the sandbox parses again; a
-    label the parser cannot read (`\\det A = -2`) is dropped when the gold answer is not
-    itself an equation or inequality."""
-    try:
-        return pred_clean, parse_answer(pred_clean)
-    except AnswerError as err:
-        rest = after_label(pred_clean) if gold_tree[0] != "rel" else None
-        if err.reason not in ("parse_error", "unsupported_latex") or rest is None:
-            raise
-        return rest, parse_answer(rest)
-
-
-def prepare(response: str, gold: str) -> Verdict | tuple[str, str]:
-    """A verdict when the in-process checks decide, else the cleaned (pred, gold) for sympy."""
-    try:
-        if not isinstance(response, str) or not isinstance(gold, str):
-            return 0.0, "not_a_string"
-        gold_raw, answers = gold_answer(gold), extract_answers(response)
-        gold_clean = clean(gold_raw)
-        pred_clean = ", ".join(drop_approximations(clean(answer)) for answer in answers)
-        if not pred_clean.strip(", "):
-            return 0.0, "no_answer"
-        if _same_tokens(pred_clean, gold_clean):
-            return 1.0, "exact"
-        pred_units, gold_units = signature(pred_clean, " ".join(answers)), signature(gold_clean, gold_raw)
-        if pred_units and gold_units and pred_units != gold_units:
-            return 0.0, "unit_mismatch"  # 12 kJ is not 12 J (a unit on one side only is ignored)
-        try:
-            gold_tree = parse_answer(gold_clean)
-        except AnswerError:  # a gold answer in prose: compare it as words
-            equal = text_node(gold_clean) == text_node(pred_clean)
-            return (1.0, "text_equal") if equal else (0.0, "gold_unparsed")
-        pred_clean, pred_tree = _read_response(foreign_number(pred_clean, rational(gold_tree)), gold_tree)
-        equal, reason = compare(pred_tree, gold_tree, _FAST)
-        if equal is None:
-            return pred_clean, gold_clean
-        return (1.0 if equal else 0.0), reason
-    except AnswerError as err:
-        return 0.0, err.reason
-    except RecursionError:
-        return 0.0, "too_deep"
-    except Exception as err:  # a verifier must never take the caller down
-        return 0.0, f"internal_error:{type(err).__name__}"
 
 
 class MathVerifier:
@@ -100,21 +33,16 @@ class MathVerifier:
         return self.verify_batch([response], [gold], timeout_s)[0]
 
     def verify_batch(self, responses: list[str], golds: list[str], timeout_s: float | None = None) -> list[Verdict]:
-        """Verdicts for many pairs; the undecided ones share the worker pool in parallel."""
+        """Verdicts for many pairs, decided in parallel by the worker pool, each within the timeout."""
         if len(responses) != len(golds):
             raise ValueError(f"{len(responses)} responses but {len(golds)} gold answers")
-        prepared = [prepare(r, g) for r, g in zip(responses, golds)]
-        undecided = [i for i, p in enumerate(prepared) if isinstance(p[0], str)]
-        verdicts: list[Verdict] = list(prepared)  # type: ignore[arg-type]
-        if undecided:
-            try:
-                checked = self.pool.compare(
-                    [cast(tuple[str, str], prepared[i]) for i in undecided], timeout_s or self.timeout_s
-                )
-            except Exception as err:
-                checked = [(False, f"sandbox_error:{type(err).__name__}")] * len(undecided)
-            for i, (equal, reason) in zip(undecided, checked):
-                verdicts[i] = (1.0 if equal else 0.0, reason)
+        pairs = [(r, g) if isinstance(r, str) and isinstance(g, str) else None for r, g in zip(responses, golds)]
+        strings = [pair for pair in pairs if pair is not None]
+        try:
+            decided = iter(self.pool.verdicts(strings, timeout_s or self.timeout_s)) if strings else iter(())
+        except Exception as err:  # a verifier must never take the caller down
+            decided = iter([(0.0, f"sandbox_error:{type(err).__name__}")] * len(strings))
+        verdicts = [next(decided) if pair is not None else (0.0, "not_a_string") for pair in pairs]
         self.stats.update(reason for _, reason in verdicts)
         return verdicts
 

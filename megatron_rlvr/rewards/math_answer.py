@@ -25,7 +25,7 @@ _APPROX = r"\approx"
 _SEPARATOR = re.compile(r",|;|\\TXT\{(?:or|and)\}")
 _NAME = re.compile(r"[A-Za-z](?:_\{?\w+\}?)?")
 _EUROPEAN = re.compile(r"-?\d{1,3}(?:\.\d{3})+,\d+|-?\d{1,3}(?:\.\d{3}){2,}")
-_DECIMAL_COMMA = re.compile(r"-?\d+(?:,|\{,\})(?:\d{1,2}|\d{4,})")
+_DECIMAL_COMMA = re.compile(r"(?<!\d)-?\d+(?:,|\{,\})(?:\d{1,2}|\d{4,})")
 _INDIAN = re.compile(r"-?\d{1,2}(?:,\d{2})+,\d{3}(?:\.\d+)?")
 
 

@@ -11,11 +11,13 @@ import re
 from fractions import Fraction
 
 # ]a,b[  [a,b[  ]a,b]  (also with ';'): at least one bracket turned outwards is an open end
-_ISO_INTERVAL = re.compile(r"(?<![\w}])([\[\]])\s*([^\[\],;]+?)\s*[,;]\s*([^\[\],;]+?)\s*([\[\]])(?!\s*\{)")
+# (each end is one run of a class that excludes the delimiters, stripped in _iso: no two
+# repeats can trade characters, so a failed try costs the run's length once)
+_ISO_INTERVAL = re.compile(r"(?<![\w}])([\[\]])([^\[\],;]*)[,;]([^\[\],;]*)([\[\]])(?!\s*\{)")
 _LETTER_UNION = re.compile(r"(?<=[)\]])\s*U\s*(?=[(\[])")  # (-oo, 2) U (3, oo)
 _BINOM_CALL = re.compile(r"(?<![\w\\])C\s*\(\s*(\d+)\s*,\s*(\d+)\s*\)")  # C(5,2)
 _BINOM_SCRIPTS = re.compile(  # {}_5C_2, {}^{8}C_{3}, _5C_2
-    r"(?:\{\s*\}|(?<![\w}\\]))\s*[_^]\s*(\{\s*\d+\s*\}|\d)\s*C\s*_\s*(\{\s*\d+\s*\}|\d+)"
+    r"(?:\{\s*\}\s*|(?<![\w}\\]))[_^]\s*(\{\s*\d+\s*\}|\d)\s*C\s*_\s*(\{\s*\d+\s*\}|\d+)"
 )
 _UNIT = r"(i|j|k|\\imath|\\jmath)"
 _UNIT_VECTOR = re.compile(  # \mathbf{i}, \hat{\imath}, \vec{j}, \hat{\mathbf{k}}, \hat i
@@ -47,9 +49,9 @@ _BASE_NUMERAL = re.compile(  # 1011_2, 2a_{16}, (10001)_2, 1011_{(2)}, 1021_{\te
 
 
 def _iso(match: re.Match) -> str:
-    left, lo, hi, right = match.groups()
-    if left == "[" and right == "]":
-        return match.group(0)  # an ordinary closed interval
+    left, lo, hi, right = (g.strip() for g in match.groups())
+    if (left == "[" and right == "]") or not lo or not hi:
+        return match.group(0)  # an ordinary closed interval, or no interval
     return ("(" if left == "]" else "[") + f"{lo}, {hi}" + (")" if right == "[" else "]")
 
 

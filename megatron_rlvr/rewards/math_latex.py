@@ -86,11 +86,11 @@ _WRAPPERS = re.compile(
     r"\\(?:displaystyle|textstyle|scriptstyle|limits|nolimits|big|Big|bigg|Bigg)[lr]?(?![a-zA-Z])"
     r"|\\(?:left|right)\s*(?:\.|(?=[^a-zA-Z]))|\\(?:left|right)(?=\\)|\$|\\[()\[\]]"
 )
-_SPACES = re.compile(r"\\[,;:> ]|\\q?quad(?![a-zA-Z])|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
-_THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000
+_SPACES = re.compile(r"\\[,;:> ]|\\q?quad|\\enspace|~|\\hspace\*?\{[^{}]*\}|\\!|\\mkern\d*mu")
+_THOUSANDS_BRACE = re.compile(r"(?<=\d)(?:\{,\}|,\\!\s*)(?=\d{3})")  # 1{,}000 and MATH's 1,\!000, 1,\! 000
 _THOUSANDS_THIN = re.compile(r"(?<=\d)(?:\\[,;: !]|~)(?=\d{3}(?!\d))")
 _THOUSANDS_SPACE = re.compile(r"(?<![\d.,])\d{1,3}(?: \d{3})+(?!\d|\.\d)")
-_THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?\d{1,3}(?:,\d{3})+(?:\.\d+)?(?![\d,])")
+_THOUSANDS_COMMA = re.compile(r"(?<![\d.,])-?[1-9]\d{0,2}(?:,\d{3})+(?:\.\d+)?(?![\d,])")  # never 0,111
 _FRAC_ALIASES = re.compile(r"\\[dtc]frac(?![a-zA-Z])")
 _BINOM_ALIASES = re.compile(r"\\[dt]binom(?![a-zA-Z])")
 _DEGREES = re.compile(  # braces only in pairs: {90^\circ} keeps its group's closing brace
@@ -112,7 +112,18 @@ _FONT_GROUP = re.compile(
 )
 _SCIENTIFIC_X = re.compile(r"(?<=\d)\s*[xX]\s*(?=10\s*\^)")  # 3 x 10^8
 _REPEATING_PARENS = re.compile(r"(\d\.\d*)\((\d+)\)")  # 0.(3), 0.1(6)
-_REPEATING_DOTS = re.compile(r"(\d\.\d*?)(\d)\2{2,}\s*(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
+_REPEATING_DOTS = re.compile(r"(\d\.)(\d++)\s*+(?:\.\.\.|\\[lc]?dots)")  # 0.333..., 0.1666\ldots
+
+
+def _repeating(match: re.Match) -> str:
+    """0.1666... → 0.16\\overline{6}: the run of one digit (three or more) that the dots extend."""
+    digits = match.group(2)
+    run = len(digits) - len(digits.rstrip(digits[-1]))
+    if run < 3:
+        return match.group(0)
+    return match.group(1) + digits[: len(digits) - run + 1] + "\\overline{" + digits[-1] + "}"
+
+
 _MIXED_PLAIN = re.compile(r"(?<![\d.\\])(\d+) +(\d+)/(\d+)(?![\d.])")
 _CONNECTIVES = {"or": r" \TXT{or} ", "and": r" \TXT{and} "}
 KNOWN_FUNCTIONS = {
@@ -254,7 +265,7 @@ def clean(answer: str) -> str:
     s = rewrite_forms(s)
     s = _SCIENTIFIC_X.sub(r" \\times ", s)
     s = _REPEATING_PARENS.sub(r"\1\\overline{\2}", s)
-    s = _REPEATING_DOTS.sub(r"\1\2\\overline{\2}", s)
+    s = _REPEATING_DOTS.sub(_repeating, s)
     s = _FRAC_ALIASES.sub(r"\\frac", s)
     s = _BINOM_ALIASES.sub(r"\\binom", s)
     s = _THOUSANDS_BRACE.sub("", s)

@@ -18,7 +18,7 @@ from megatron_rlvr.rewards.math_eval import rational, symbols
 from megatron_rlvr.rewards.math_parse import child_nodes, map_children
 
 UNIT_NAMES = ("hat{i}", "hat{j}", "hat{k}")
-_NUMERAL = re.compile(r"([0-9][0-9A-Z]*)_(\d+)")
+_NUMERAL = re.compile(r"(?<![0-9A-Z])([0-9][0-9A-Z]*)_(\d+)")
 _LETTERS = set("ABCDE")
 
 

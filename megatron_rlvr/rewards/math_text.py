@@ -83,8 +83,12 @@ def last_boxed(text: str) -> str | None:
 
 # text between two boxes that makes them one answer: "$ and $x = ", "\), \(", "\quad \text{or} \quad"
 _GAP_NOISE = re.compile(r"\\text\s*\{\s*(and|or)\s*\}|\\[()\[\]]|\\q?quad|\\[,;:! ]|[$~,;]|\\\\")
-_JOINING_GAP = re.compile(r"(?:\s*(?:and|or|[a-zA-Z](?:_\{?\w+\}?)?\s*=))*\s*", re.IGNORECASE)
+# possessive runs: a gap that is not one answer's join fails in one pass, not by retrying splits
+_JOINING_GAP = re.compile(  # "and", "or", "x =", and one word before "and" ("\boxed{1} papers and \boxed{2}")
+    r"(?:\s*+(?:and|or|[a-zA-Z](?:_\{?[A-Za-z0-9]++\}?)?\s*+=|(?<![a-zA-Z])[a-zA-Z]++\s++(?=and\b)))*\s*", re.IGNORECASE
+)
 _HEDGE = re.compile(r"\b(?:alternatively|or|maybe|perhaps|possibly|could also be|might also be|otherwise)\b", re.I)
+_PARTS = re.compile(r"\bpart\s*\(?[a-z0-9]\b", re.I)  # answers to parts (a) and (b) are one answer
 _CORRECTION = re.compile(r"\b(?:wait|actually|mistake|re-?check|correct|error|instead|oops|however|rather|no)\b", re.I)
 
 
@@ -111,7 +115,7 @@ def _final_boxes(text: str) -> list[str]:
             break
         joined = _JOINING_GAP.fullmatch(_GAP_NOISE.sub(" ", gap))
         hedged = _HEDGE.search(gap) and not _CORRECTION.search(gap)
-        if not (joined or hedged):
+        if not (joined or hedged or _PARTS.search(gap)):
             break
         group.append(content)
         group_start = at
@@ -119,9 +123,20 @@ def _final_boxes(text: str) -> list[str]:
     return _as_point(text, group[::-1], group_starts[::-1], last_end)
 
 
-_LABEL = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z])\s*=\s*(?:\$|\\\(|\s)*$")  # "y = $" before a box
-_MATH_OPENERS = re.compile(r"(?:\\\(|\\\[|\$|\s)+$")
+_LABEL = re.compile(r"(?<![\\a-zA-Z])([a-zA-Z])\s*=(?:\$|\\\(|\s)*$")  # "y = $" before a box
 _MATH_CLOSERS = re.compile(r"^(?:\\\)|\\\]|\$|\s)+")
+
+
+def _strip_openers(text: str) -> str:
+    """text less the blanks, `$`, `\\(` and `\\[` it ends with (a loop: a pattern anchored at the
+    end would retry every position of a long blank run)."""
+    while True:
+        stripped = text.rstrip()
+        for opener in ("\\(", "\\[", "$"):
+            stripped = stripped.removesuffix(opener)
+        if stripped == text:
+            return text
+        text = stripped
 
 
 def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> list[str]:
@@ -129,7 +144,7 @@ def _as_point(text: str, contents: list[str], starts: list[int], end: int) -> li
     with distinct names (`a = \\boxed{1}`, `b = \\boxed{4}`) keep their labels."""
     if len(contents) < 2:
         return contents
-    before = _MATH_OPENERS.sub("", text[max(0, starts[0] - 20) : starts[0]])
+    before = _strip_openers(text[max(0, starts[0] - 20) : starts[0]])
     after = _MATH_CLOSERS.sub("", text[end : end + 20])
     if before.endswith(("(", "\\left(")) and after.startswith((")", "\\right)")):
         return ["(" + ", ".join(contents) + ")"]
@@ -145,26 +160,29 @@ _ANSWER_IS = re.compile(  # no two adjacent unbounded repeats: linear on any tex
     r"(?:\*\*[ \t]*)?(?:is|are|:|=)",
     re.IGNORECASE,
 )
+_FINAL_ANSWER_LINE = re.compile(r"Final Answer:[ \t]*The final answer is")  # Minerva's closing line
 _CORRECTED = re.compile(  # "The answer is 7. Wait, actually it should be 8.": the stated answer, corrected
     r"\b(?:wait|actually|oops|sorry|no)\b[^.\n$]{0,40}?\b(?:should be|should have been|is actually|must be)\b",
     re.IGNORECASE,
 )
 _MATH_SPAN = re.compile(  # an escaped \$ inside is a dollar sign, never the span's end: $\\$18$
     r"(?<!\\)\$\$((?:\\.|[^\\]){1,3000}?)\$\$|(?<!\\)\$((?:\\.|[^\\$]){1,3000}?)\$"
-    r"|\\\((.{1,3000}?)\\\)|\\\[(.{1,3000}?)\\\]",
+    r"|\\\(((?:(?!\\[()]).){1,3000}?)\\\)|\\\[((?:(?!\\[\[\]]).){1,3000}?)\\\]",  # never across an opener
     re.DOTALL,
 )
 _SENTENCE_END = re.compile(
     r"\.(?:\s|$)|\n|;\s|(?<![ \t]),?[ \t]+(?:since|because|which|as|so|where|when|for|but)\b"
-    r"|[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
-    r"|[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
+    r"|(?<![ \t])[ \t]+(?:[\u2014\u2013]|--)[ \t]"  # "15 — the smallest such integer"
+    r"|(?<![ \t])[ \t]*\((?=(?:i\.e\.|e\.g\.|[A-Za-z]{2,}[ \t,])(?!(?:pi|sin|cos|tan|ln|log|exp|sqrt)\b))"  # 12 (since 3 x 4 = 12)
 )
 _FILLER = re.compile(  # "the answer is therefore the number 42"
     r"(?:(?:therefore|thus|hence|so|then|simply|just|exactly|indeed|clearly|now|the|number|value|equal to|"
     r"given by)\s+)+",
     re.IGNORECASE,
 )
-_WORDS_IN_PARENS = re.compile(r"[ \t]*\((?:[A-Za-z]{2,}[ ,]*)+\)")  # "7 (seven) apples"
+# "7 (seven) apples": words and separators alternate, so no two repeats can split one run of
+# letters between them (that nesting was exponential), and a try starts only where blanks start
+_WORDS_IN_PARENS = re.compile(r"(?<![ \t])[ \t]*\([A-Za-z]{2,}(?:[ ,]+[A-Za-z]{2,})*[ ,]*\)")
 _PLAIN_UNITS = {
     "m",
     "s",
@@ -200,10 +218,18 @@ _PLAIN_UNITS = {
     "lbs",
     "oz",
 }
-_NUMBER_AND_UNITS = re.compile(r"([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)")
-_NUMBER = re.compile(r"(?:\d+'\s?\d+(?:''|\")|[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?")
+_NUMBER_AND_UNITS = re.compile(
+    r"(?<![-+\d,.])([-+]?\d[\d,]*(?:\.\d+)?)[ \t]*([a-zA-Z]+(?:[ \t]*[/*^][ \t]*[a-zA-Z\d]+)*)"
+)
+_NUMBER = re.compile(  # never a digit inside a word (AZYUK2A); 1 000 000 is one number
+    r"(?<![A-Za-z])(?:\d+'\s?\d+(?:''|\")|[-\u2212]?\d{1,3}(?: \d{3})++(?![\d.,])"
+    r"|[-\u2212]?\d[\d,]*(?:\.\d+)?(?:/\d+)?|[-\u2212]?\.\d+)(?:\s?\\?%)?"
+)
+_LATEX_FRACTION = re.compile(r"-?\\[dt]?frac\{[^{}$\n]{1,40}\}\{[^{}$\n]{1,40}\}")  # \\frac{10}{9} outside $…$
 _BOLD = re.compile(r"\*\*([^*\n]{1,200})\*\*")
 _NO_SOLUTION = re.compile(r"no (?:real )?solutions?", re.IGNORECASE)
+_STATED = re.compile(r"\s(?:is|are|equals|was)\s")  # "the largest n is 34": the value after the verb
+_SPLIT = re.compile(r"(?<![ \t])[ \t]*\n")
 _JOINED_SPANS = re.compile(r"(?:\s|,|;|\band\b|\bor\b|\bboth\b)*", re.IGNORECASE)
 
 
@@ -232,6 +258,11 @@ def _after_answer_is(tail: str) -> list[str]:
             return [_span_content(span) for span in spans]
         return [_span_content(spans[0])]
     answer = _WORDS_IN_PARENS.sub("", sentence).strip().strip("*").strip()
+    stated = None
+    for stated in _STATED.finditer(answer):  # noqa: B007 (the loop keeps the last match)
+        pass
+    if stated is not None and stated.end() < len(answer):
+        answer = answer[stated.end() :].strip()  # "Final Answer: The largest $n$ is 34."
     return [_plain_units(answer)] if answer else []
 
 
@@ -243,6 +274,18 @@ def _plain_units(answer: str) -> str:
         units = re.sub(r"[a-zA-Z]+", lambda w: "\\text{" + w.group(0) + "}", match.group(2))
         return f"{match.group(1)} {units}"
     return answer
+
+
+_END_OF_TURN = re.compile(r"<\|(?:im_end|im_start|endoftext|eot_id|end_of_text)\|>")
+
+
+def _own_turn(text: str) -> str:
+    """The response up to the first end-of-turn token that follows some text: what a model
+    writes after `<|im_start|>user` is the next turn, not its answer."""
+    for part in _END_OF_TURN.split(text, maxsplit=8):
+        if part.strip():
+            return part
+    return text
 
 
 def _strip_thinking(text: str) -> str:
@@ -259,7 +302,7 @@ def _strip_thinking(text: str) -> str:
 
 
 MIN_CUT_CHARS = 100  # a short reply without a full stop is terse, not cut off
-_OPEN_END = re.compile(r"(?:[=+\-*/^(\[{,:]|\\(?:times|cdot|frac|sqrt))\s*\$?\s*$")
+_OPEN_END = re.compile(r"(?:[=+\-*/^(\[{,:]|\\(?:times|cdot|frac|sqrt))\s*+(?:\$\s*+)?$")
 
 
 def _cut_off(text: str) -> bool:
@@ -274,8 +317,17 @@ def _cut_off(text: str) -> bool:
 def extract_answers(response: str) -> list[str]:
     """The final answer of a response, as one string or several that form it together.
     Raises AnswerError("no_answer") when there is none."""
-    text = _strip_thinking(response)
-    if box_starts(text):
+    text = _strip_thinking(_own_turn(response))
+    starts = box_starts(text)
+    closing = None
+    for closing in _FINAL_ANSWER_LINE.finditer(text):  # noqa: B007 (the loop keeps the last match)
+        pass
+    tail = text[closing.end() : closing.end() + MAX_ANSWER_CHARS].lstrip() if closing is not None else ""
+    if closing is not None and (not starts or closing.start() > starts[0]) and tail[:1] in ("$", "-", *"0123456789"):
+        stated = _after_answer_is(tail)
+        if stated:  # "Final Answer: The final answer is $X$." after the last box states the answer anew
+            return stated
+    if starts:
         return _final_boxes(text)
     answer_at = None
     for answer_at in _ANSWER_IS.finditer(text):  # noqa: B007 (the loop keeps the last match)
@@ -308,6 +360,9 @@ def _last_math_or_number(text: str) -> str:
         pass
     for bold in _BOLD.finditer(text):  # noqa: B007 (the loop keeps the last match)
         pass
+    fraction = None
+    for fraction in _LATEX_FRACTION.finditer(text):  # noqa: B007 (the loop keeps the last match)
+        pass
     if (
         bold is not None
         and bold.group(1).rstrip()[-1:] != ":"
@@ -316,7 +371,11 @@ def _last_math_or_number(text: str) -> str:
     ):
         return bold.group(1)  # "The winner is **Devon**." (a heading ends with a colon)
     if span is not None and (number is None or span.end() >= number.end()):
+        if (span.group(2) is not None or span.group(3) is not None) and _SPLIT.match(_span_content(span)):
+            raise AnswerError("split_inline_math")  # "$\n 9 \n$": an inline formula is one line
         return _span_content(span)
+    if fraction is not None and number is not None and fraction.end() >= number.end():
+        return fraction.group(0)
     if number is None:
         nothing = _NO_SOLUTION.search(text[-300:])
         if nothing:  # "There are no real solutions."
@@ -328,10 +387,11 @@ def _last_math_or_number(text: str) -> str:
 def gold_answer(gold: str) -> str:
     """The gold answer as a dataset stores it: the last box, the tail of a GSM8K '####'
     solution, or the whole string."""
-    boxed = last_boxed(gold)
-    if boxed is not None:
-        return boxed
+    if box_starts(gold):  # boxes that form one answer, as in a response: $\\boxed{1}, \\boxed{2}$
+        return ", ".join(_final_boxes(gold))
     hashes = gold.rfind("####")
     if hashes >= 0:
         return gold[hashes + 4 :].strip()
+    if len(gold) > MIN_CUT_CHARS and _ANSWER_IS.search(gold):  # a worked solution: its stated answer
+        return ", ".join(extract_answers(gold))
     return gold

@@ -1,12 +1,13 @@
-"""Sympy comparisons of model answers in killable worker processes.
+"""Math verdicts in killable worker processes.
 
-Model output is untrusted: simplifying a crafted expression (a power tower, a huge factorial)
-can take unbounded time and memory. So the sympy side of a comparison runs in child processes
-(`python -m megatron_rlvr.rewards.sandbox`) with an address-space limit, and a parent that
-kills a worker past its deadline and starts a fresh one. Workers get cleaned answer strings,
-parse them with the same bounded parser (math_parse) and build sympy objects by constructor
-calls: nothing from a response is ever evaluated as code. The caller never waits longer than
-the timeout and never sees an exception.
+Model output is untrusted: reading a crafted response, or simplifying a crafted expression (a
+power tower, a huge factorial), can take unbounded time and memory. So the whole verdict on a
+pair, from finding the final answer to sympy, runs in child processes (`python -m
+megatron_rlvr.rewards.sandbox`) with an address-space limit, and a parent that kills a worker
+past its per-pair deadline (0.0, `timeout`) and starts a fresh one. Workers parse with the same
+bounded parser (math_parse) and build sympy objects by constructor calls: nothing from a
+response is ever evaluated as code. The caller never waits longer than the timeout per pair and
+never sees an exception.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from dataclasses import dataclass, field
 
 from megatron_rlvr.rewards.math_parse import parse_answer
 from megatron_rlvr.rewards.math_text import AnswerError
+from megatron_rlvr.rewards.math_verdict import prepare
+from megatron_rlvr.rewards.verdict import Verdict
 
 MAX_START_FAILURES = 3
 # a worker that has not said ready this long after its start is replaced (a hung start-up)
@@ -50,6 +53,16 @@ def compare_in_worker(pred: str, gold: str) -> tuple[bool, str]:
         return False, "sympy_error"
 
 
+def verdict_in_worker(response: str, gold: str) -> Verdict:
+    """The verdict on a raw (response, gold) pair: the in-process checks, then sympy for what
+    they leave undecided."""
+    prepared = prepare(response, gold)
+    if not isinstance(prepared[0], str):
+        return prepared
+    equal, reason = compare_in_worker(*prepared)
+    return (1.0 if equal else 0.0), reason
+
+
 def _serve(memory_mb: int) -> None:
     import resource
 
@@ -61,8 +74,8 @@ def _serve(memory_mb: int) -> None:
     protocol.write('{"ready": true}\n')
     for line in sys.stdin:
         task = json.loads(line)
-        equal, reason = compare_in_worker(task["pred"], task["gold"])
-        protocol.write(json.dumps({"equal": equal, "reason": reason}) + "\n")
+        reward, reason = verdict_in_worker(task["response"], task["gold"])
+        protocol.write(json.dumps({"reward": reward, "reason": reason}) + "\n")
 
 
 # ============================================================================ parent side
@@ -108,7 +121,7 @@ class _Worker:
 
 
 class SandboxPool:
-    """A fixed number of sympy worker processes, started on first use."""
+    """A fixed number of verdict worker processes, started on first use."""
 
     def __init__(self, num_workers: int = 2, memory_mb: int = 1024, start_timeout_s: float = START_TIMEOUT_S):
         self.num_workers = num_workers
@@ -133,9 +146,9 @@ class SandboxPool:
             start_new_session=True,
         )
 
-    def compare(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[tuple[bool, str]]:
-        """Verdicts for (pred, gold) pairs of normalised answers; each pair gets at most
-        `timeout_s` of a worker's time, counted from when a ready worker takes it."""
+    def verdicts(self, pairs: list[tuple[str, str]], timeout_s: float) -> list[Verdict]:
+        """Verdicts for (response, gold) pairs; each pair gets at most `timeout_s` of a worker's
+        time, counted from when a ready worker takes it, and is (0.0, "timeout") past it."""
         with self._lock:
             self._start_failures = 0
             while len(self._workers) < min(self.num_workers, max(1, len(pairs))):
@@ -143,7 +156,7 @@ class SandboxPool:
             return self._run(pairs, timeout_s)
 
     def _run(self, pairs, timeout_s):
-        results: list[tuple[bool, str] | None] = [None] * len(pairs)
+        results: list[Verdict | None] = [None] * len(pairs)
         pending = deque(range(len(pairs)))
         retried = [0] * len(pairs)
         with selectors.DefaultSelector() as selector:
@@ -153,16 +166,17 @@ class SandboxPool:
                 for worker in list(self._workers):
                     if worker.ready and worker.task is None and pending:
                         index = pending.popleft()
-                        pred, gold = pairs[index]
+                        response, gold = pairs[index]
                         worker.task, worker.deadline = index, time.monotonic() + timeout_s
                         try:
-                            worker.proc.stdin.write((json.dumps({"pred": pred, "gold": gold}) + "\n").encode())
+                            task = json.dumps({"response": response, "gold": gold}) + "\n"
+                            worker.proc.stdin.write(task.encode())
                             worker.proc.stdin.flush()
                         except OSError:  # it died before reading the task: another worker takes it, once
                             worker.task = None
                             retried[index] += 1
                             if retried[index] > 1:
-                                results[index] = (False, "worker_died")
+                                results[index] = (0.0, "worker_died")
                             else:
                                 pending.appendleft(index)
                             self._replace(worker, selector, results, "worker_died")
@@ -180,7 +194,7 @@ class SandboxPool:
                     alive = worker.read()
                     while worker.replies and worker.task is not None:
                         reply = worker.replies.popleft()
-                        results[worker.task] = (bool(reply["equal"]), reply["reason"])
+                        results[worker.task] = (float(reply["reward"]), str(reply["reason"]))
                         worker.task = None
                     if not alive:
                         self._replace(worker, selector, results, "worker_died")
@@ -193,7 +207,7 @@ class SandboxPool:
                 if self._start_failures >= MAX_START_FAILURES:
                     # workers cannot even start (broken env, memory limit): fail fast, never spin
                     while pending:
-                        results[pending.popleft()] = (False, "sandbox_unavailable")
+                        results[pending.popleft()] = (0.0, "sandbox_unavailable")
                     if not any(w.task is not None for w in self._workers):
                         break
         return results
@@ -201,7 +215,7 @@ class SandboxPool:
     def _replace(self, worker: _Worker, selector, results, reason: str) -> None:
         self._start_failures = 0 if worker.ready else self._start_failures + 1
         if worker.task is not None:
-            results[worker.task] = (False, reason)
+            results[worker.task] = (0.0, reason)
         selector.unregister(worker.proc.stdout)
         worker.kill()
         fresh = self._spawn()
