@@ -3,6 +3,7 @@ max_group_size), one larger resample of a prompt whose group came back all equal
 fixed size that is today's fixed n exactly. Real CPU engine, manager and buffer."""
 
 import asyncio
+import random
 
 import pytest
 from engine_fixtures import start_engine
@@ -88,6 +89,11 @@ def test_a_fixed_size_submits_the_groups_the_fixed_n_path_does(engine):
             b = await sized.fill(2, 0, drain=True)
             assert shape(a) == shape(b)
         assert fixed.manager.asked == sized.manager.asked  # same prompts, same seeds, same sizes
+        # and those of the fixed-n derivation: a shuffled pass over the prompts, seed · 1000003 + submission
+        order = list(PROMPTS)
+        random.Random(3).shuffle(order)
+        expected = [(r.prompt_id, 3 * 1_000_003 + k, 4) for k, r in enumerate(reversed(order))]
+        assert sized.manager.asked == expected[: len(sized.manager.asked)]
         assert sized.step_stats()["rollout/group_size"] == 4
         await fixed_client.close()
         await sized_client.close()
