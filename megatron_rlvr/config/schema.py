@@ -306,9 +306,7 @@ class RolloutConfig(Section):
     )
     num_engines: PositiveInt = Field(1, description="engine servers (one per DP replica)")
     host: str = Field("127.0.0.1", description="address the engines bind to")
-    n_samples_per_prompt: int = Field(
-        8, ge=2, description="group size n (needs >= 2): every group's size under group_size_schedule constant"
-    )
+    n_samples_per_prompt: int = Field(8, ge=2, description="group size n (>= 2) of the constant group_size_schedule")
     group_size_schedule: Literal["constant", "linear"] = Field(
         "constant",
         description="samples per prompt over training: constant (n_samples_per_prompt at every step); linear "
