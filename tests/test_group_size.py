@@ -212,15 +212,26 @@ def test_sizes_that_vary_lift_the_exact_split_check_sizes_that_do_not_keep_it():
 def test_a_linear_schedule_runs_through_the_loop_and_continues_after_a_resume(tmp_path):
     from test_train_e2e import train
 
-    linear = ("launch.mode=local", "rollout.group_size_schedule=linear", "rollout.min_group_size=4")
+    # resamples mix sizes within a batch, and 3 mini-batches split no total exactly: padding rows
+    linear = (
+        "launch.mode=local",
+        "rollout.group_size_schedule=linear",
+        "rollout.min_group_size=4",
+        "rollout.extra_samples_on_equal=true",
+        "algo.num_minibatches=3",
+    )
     train(tmp_path, *linear, "trainer.steps=2", "rollout.max_group_size=6")
     # the longer run's schedule (4 → 10 over 4 steps) continues at step 3, not at its step 1
     metrics, done = train(tmp_path, *linear, "trainer.steps=4", "rollout.max_group_size=10", "trainer.resume=true")
     assert "resumed from" in done.stderr
-    schedule = {1: 4, 2: 6, 3: 8, 4: 10}
+    schedule, resample = {1: 4, 2: 6, 3: 8, 4: 10}, {1: 6, 2: 6, 3: 10, 4: 10}
     # a step trained from the buffer's surplus alone generated nothing and logs no size
     sizes = {m["step"]: m.get("rollout/group_size") for m in metrics if m["sampler/groups_generated"]}
     assert sizes == {step: schedule[step] for step in sizes} and max(sizes) > 2
-    for m in metrics:  # every sample scored in a step belongs to a group of the step's size
-        assert m["reward/samples"] == m["sampler/groups_generated"] * schedule[m["step"]]
+    for m in metrics:  # every sample scored in a step belongs to a group of the step's size, or a resample
+        step, resampled = m["step"], m["sampler/resampled_on_equal"]
+        scheduled = m["sampler/groups_generated"] - resampled
+        assert m["reward/samples"] == scheduled * schedule[step] + resampled * resample[step]
+        assert m["sampler/resampled_useful"] <= resampled and m["train/grad_norm"] > 0
+    assert sum(m["sampler/resampled_on_equal"] for m in metrics) > 0
     assert [m["buffer/used"] for m in metrics] == [4, 8, 12, 16]
