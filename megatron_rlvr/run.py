@@ -383,7 +383,7 @@ def _start(run: Run, placement: Placement) -> None:
     from megatron_rlvr.rollout.client import EngineClient
     from megatron_rlvr.rollout.manager import RolloutManager, RoutingShape
     from megatron_rlvr.rollout.prompt_history import PromptHistory
-    from megatron_rlvr.rollout.sampler import ActiveSampler
+    from megatron_rlvr.rollout.sampler import ActiveSampler, GroupSizes
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
@@ -421,8 +421,9 @@ def _start(run: Run, placement: Placement) -> None:
         max_skip_probability=skip.max_probability,
         seed=cfg.trainer.seed,
     )
+    sizes = GroupSizes.of(cfg.rollout, cfg.trainer.steps)
     # the fewest useful groups a short batch may have: one real sample per mini-batch and rank
-    min_groups = math.ceil(cfg.algo.num_minibatches * cfg.parallel.dp / cfg.rollout.n_samples_per_prompt)
+    min_groups = math.ceil(cfg.algo.num_minibatches * cfg.parallel.dp / sizes.smallest)
     decode = functools.partial(tokenizer.decode, skip_special_tokens=True)
     run.sampler = ActiveSampler(
         run.manager,
@@ -437,6 +438,7 @@ def _start(run: Run, placement: Placement) -> None:
         encode=train.encode,
         decode=decode,
         in_flight=cfg.rollout.updates == "in_flight",
+        group_sizes=sizes,
     )
     run.evaluator = build_evaluator(cfg, renderer, run.manager, run.verifiers, decode, sampling.stop_token_ids, loaded)
 

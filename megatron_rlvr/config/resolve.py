@@ -57,6 +57,8 @@ class ResolvedAlgo(AlgoConfig):
 
 
 class ResolvedRollout(RolloutConfig):
+    min_group_size: int = _filled(RolloutConfig, "min_group_size")
+    max_group_size: int = _filled(RolloutConfig, "max_group_size")
     return_routed_experts: bool = _filled(RolloutConfig, "return_routed_experts")
     seeded_sampling: bool = _filled(RolloutConfig, "seeded_sampling")
 
@@ -172,9 +174,12 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
     if a.clip_ratio_c is not None and a.kind != "grpo":
         problems.append(f"algo.clip_ratio_c = {a.clip_ratio_c}: dual clip is for kind grpo")
     layout_wrong = bool(problems)
+    problems.extend(_group_size_problems(r))
     samples = cfg.buffer.batch_groups * r.n_samples_per_prompt
     per_step = a.num_minibatches * p.dp
-    if samples % per_step and not (dp_derived and layout_wrong):
+    # sizes that vary (a schedule, resamples) lay their batches out with padding rows instead
+    fixed = r.group_size_schedule == "constant" and not r.extra_samples_on_equal
+    if fixed and samples % per_step and not (dp_derived and layout_wrong):
         dp = f"parallel.dp = {p.dp}, derived from parallel.ep · etp / tp" if dp_derived else "parallel.dp"
         problems.append(
             f"algo.num_minibatches = {a.num_minibatches}: buffer.batch_groups · "
@@ -347,6 +352,10 @@ def resolve(cfg: Config) -> ResolvedConfig:
         cfg.rollout.return_routed_experts = cfg.algo.routing_replay == "r3"
     if cfg.rollout.seeded_sampling is None:
         cfg.rollout.seeded_sampling = isinstance(cfg.rollout.engine, CpuEngine)
+    if cfg.rollout.min_group_size is None:
+        cfg.rollout.min_group_size = cfg.rollout.n_samples_per_prompt
+    if cfg.rollout.max_group_size is None:
+        cfg.rollout.max_group_size = cfg.rollout.n_samples_per_prompt
     if cfg.buffer.max_generated_groups_per_step is None:
         cfg.buffer.max_generated_groups_per_step = 64 * cfg.buffer.batch_groups
     engine, sync = cfg.rollout.engine, cfg.weight_sync
@@ -372,3 +381,24 @@ def resolve(cfg: Config) -> ResolvedConfig:
     resolved = ResolvedConfig.model_validate(cfg.model_dump())
     _raise(_cross_field_problems(resolved, model_dims(resolved.model), dp_derived))
     return resolved
+
+
+def _group_size_problems(r: ResolvedRollout) -> list[str]:
+    """The group size settings against each other (schedule, its bounds, resampling)."""
+    problems = []
+    if r.min_group_size > r.max_group_size:
+        problems.append(
+            f"rollout.min_group_size = {r.min_group_size}: must be <= rollout.max_group_size ({r.max_group_size})"
+        )
+    elif r.group_size_schedule == "constant" and not r.min_group_size <= r.n_samples_per_prompt <= r.max_group_size:
+        problems.append(
+            f"rollout.n_samples_per_prompt = {r.n_samples_per_prompt}: the constant schedule's size must lie in "
+            f"rollout.min_group_size .. max_group_size ({r.min_group_size} .. {r.max_group_size})"
+        )
+    smallest = r.n_samples_per_prompt if r.group_size_schedule == "constant" else r.min_group_size
+    if r.extra_samples_on_equal and smallest >= r.max_group_size and not problems:
+        problems.append(
+            f"rollout.extra_samples_on_equal = true: a resample has rollout.max_group_size = {r.max_group_size} "
+            "samples, which no scheduled group falls short of (raise max_group_size)"
+        )
+    return problems

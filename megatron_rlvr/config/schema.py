@@ -306,7 +306,27 @@ class RolloutConfig(Section):
     )
     num_engines: PositiveInt = Field(1, description="engine servers (one per DP replica)")
     host: str = Field("127.0.0.1", description="address the engines bind to")
-    n_samples_per_prompt: int = Field(8, ge=2, description="group size n (needs >= 2)")
+    n_samples_per_prompt: int = Field(8, ge=2, description="group size n (>= 2) of the constant group_size_schedule")
+    group_size_schedule: Literal["constant", "linear"] = Field(
+        "constant",
+        description="samples per prompt over training: constant (n_samples_per_prompt at every step); linear "
+        "(min_group_size at step 1 to max_group_size at trainer.steps, rounded). Sizes that vary lay the "
+        "batch out with masked padding rows (docs/algorithms.md, Group size)",
+    )
+    min_group_size: int | None = Field(
+        None, ge=2, description="the linear schedule's first size; None: n_samples_per_prompt"
+    )
+    max_group_size: int | None = Field(
+        None,
+        ge=2,
+        description="the linear schedule's last size, and the size of an extra_samples_on_equal resample; "
+        "None: n_samples_per_prompt",
+    )
+    extra_samples_on_equal: bool = Field(
+        False,
+        description="a group whose rewards all came back equal (dropped as zero-std) samples its prompt once "
+        "more, with max_group_size samples, if that is larger (sampler/resampled_on_equal counts them)",
+    )
     max_new_tokens: PositiveInt = Field(16, description="longest response (longer ones are cut: finish_reason length)")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature of training rollouts")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus sampling of training rollouts; 1: off")

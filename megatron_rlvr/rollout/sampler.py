@@ -19,7 +19,12 @@ worth of groups generating (batch_groups at the useful fraction) while it fills 
 between fills, so the engines' slots stay full through a batch's tail, and groups still
 generating when a batch is taken go on across weight updates and serve a later step.
 Generation runs at most one batch ahead: once the next batch's useful groups are there, no
-more are submitted (they would only wait in the buffer and go stale)."""
+more are submitted (they would only wait in the buffer and go stale).
+
+Group sizes follow GroupSizes: a size per step (the step whose batch a group is generated
+for), and optionally one resample, larger, of a prompt whose group came back all equal. A
+resample's samples take seeds from a range no scheduled group's reach, so it never repeats
+the samples it replaces."""
 
 from __future__ import annotations
 
@@ -28,12 +33,17 @@ import math
 import random
 from collections import deque
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group
+
+if TYPE_CHECKING:
+    from megatron_rlvr.config.resolve import ResolvedRollout
 
 
 class RolloutFailed(UserError, RuntimeError):
@@ -49,6 +59,40 @@ class NothingToLearn(RuntimeError):
 
 
 Score = Callable[[list[str], PromptRecord], Awaitable[list[float]]]  # responses, their record → rewards
+
+_RESAMPLE_SEEDS = 2**61  # a resample's seeds start here: scheduled groups' seeds (seed + submission + index) never do
+
+
+@dataclass(frozen=True)
+class GroupSizes:
+    """Samples per prompt: `first` at step 1 to `last` at step `steps`, linearly (rounded);
+    first = last: a constant size. resample: the size of a second group for a prompt whose
+    group came back all equal, when larger than that group (None: no resamples)."""
+
+    first: int
+    last: int
+    steps: int = 1
+    resample: int | None = None
+
+    @classmethod
+    def of(cls, rollout: ResolvedRollout, steps: int) -> GroupSizes:
+        """From the resolved rollout section and trainer.steps."""
+        linear = rollout.group_size_schedule == "linear"
+        return cls(
+            first=rollout.min_group_size if linear else rollout.n_samples_per_prompt,
+            last=rollout.max_group_size if linear else rollout.n_samples_per_prompt,
+            steps=steps,
+            resample=rollout.max_group_size if rollout.extra_samples_on_equal else None,
+        )
+
+    def at(self, step: int) -> int:
+        """The size of a group generated for `step` (from 1; past the last step, the last size)."""
+        done = min(max(step - 1, 0), self.steps - 1) / max(self.steps - 1, 1)
+        return round(self.first + (self.last - self.first) * done)
+
+    @property
+    def smallest(self) -> int:
+        return min(self.first, self.last)
 
 
 class ActiveSampler:
@@ -69,10 +113,12 @@ class ActiveSampler:
         min_groups: int = 1,
         history: PromptHistory | None = None,
         in_flight: bool = False,
+        group_sizes: GroupSizes | None = None,
     ):
         """buffer: a Buffer, or a proxy with the same async methods (the Ray actor).
         max_groups: groups one fill may generate; min_groups: the fewest useful groups a
-        (short) batch may have. history: each prompt's recent outcomes, and which to skip."""
+        (short) batch may have. history: each prompt's recent outcomes, and which to skip.
+        group_sizes: samples per prompt by step (None: the manager's sampling n)."""
         self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
         self._by_id = {r.prompt_id: r for r in prompts}  # a finished group's record, for its verifier
@@ -97,6 +143,13 @@ class ActiveSampler:
         self.short_batches = 0  # steps that got fewer than batch_groups groups at the bound
         self._generated = 0  # groups submitted by the latest fill
         self.in_flight = in_flight
+        self.group_sizes = group_sizes
+        self.fills = 0  # batches drawn: groups submitted now are for step fills + 1
+        self.resampled = 0  # resamples submitted over the run (their seeds follow from it)
+        self._resamples: set[str] = set()  # resample group ids in flight or being scored
+        self._sizes: list[int] = []  # scheduled sizes submitted since the last step_stats()
+        self._resample_counts = {"resampled_on_equal": 0, "resampled_useful": 0}  # since then too
+        self._stopping = False
         self._keep_busy_task: asyncio.Task | None = None  # in flight: generating between fills
         self._keep_going = False
 
@@ -125,14 +178,37 @@ class ActiveSampler:
         """Submits groups until enough are in flight for `needed` useful ones at the measured
         useful fraction; at most `room` more."""
         target = min(self.max_in_flight, math.ceil(needed / self.useful_fraction()), len(self._pending) + room)
+        size = self.group_sizes.at(self.fills + 1) if self.group_sizes else None
         while len(self._pending) < target:
-            record = self._next_prompt()
-            seed = (self.seed * 1_000_003 + self.submitted) % 2**62 if self.seeded else None
-            group_id = self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed))
-            self._pending.append(group_id)
-            self._prompt_of[group_id] = record.prompt_id
+            self._submit(self._next_prompt(), size, self.submitted)
             self.submitted += 1
-            self._generated += 1
+            if size is not None:
+                self._sizes.append(size)
+
+    def _submit(self, record: PromptRecord, size: int | None, seed_offset: int) -> str:
+        seed = (self.seed * 1_000_003 + seed_offset) % 2**62 if self.seeded else None
+        group_id = self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed), size)
+        self._pending.append(group_id)
+        self._prompt_of[group_id] = record.prompt_id
+        self._generated += 1
+        return group_id
+
+    def _resample_if_equal(self, group: Group, verdict: str) -> None:
+        """A group dropped because its rewards were all equal: its prompt once more, with the
+        resample size, if that is larger and the fill's bound leaves room."""
+        size = self.group_sizes.resample if self.group_sizes else None
+        if (
+            verdict != "zero_std"
+            or size is None
+            or len(group.samples) >= size
+            or self._generated >= self.max_groups
+            or self._stopping
+        ):
+            return
+        offset = _RESAMPLE_SEEDS + self.resampled * size
+        self._resamples.add(self._submit(self._by_id[group.prompt_id], size, offset))
+        self.resampled += 1
+        self._resample_counts["resampled_on_equal"] += 1
 
     async def _next_in_order(self) -> Group:
         head = self._pending[0]
@@ -174,6 +250,7 @@ class ActiveSampler:
         """Ends generation with nothing unaccounted for: no more top-ups, every group in
         flight aborted, and each filed (the buffer counts them under dropped_aborted)."""
         await self._stop_keeping_busy()
+        self._stopping = True
         await self.manager.abort_all()
         while self._pending:
             await self._file(await self._next_finished())
@@ -200,6 +277,10 @@ class ActiveSampler:
             if verdict in ("kept", "zero_std"):
                 self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
             self._recent.append(verdict == "kept")
+            if group.group_id in self._resamples:
+                self._resamples.discard(group.group_id)
+                self._resample_counts["resampled_useful"] += verdict == "kept"
+            self._resample_if_equal(group, verdict)
 
     async def fill(self, batch_groups: int, policy_version: int, *, drain: bool = False) -> list[Group]:
         """batch_groups useful groups for training `policy_version`, generating at most
@@ -224,6 +305,7 @@ class ActiveSampler:
             self.short_batches += 1
         async with self._filing:
             batch = self._drawn = await self.buffer.get_batch(min(useful, batch_groups), policy_version)
+            self.fills += 1
         if self.in_flight:
             self._keep_going = True
             self._keep_busy_task = asyncio.create_task(self._keep_busy(batch_groups, policy_version + 1))
@@ -240,13 +322,19 @@ class ActiveSampler:
             "from this data"
         )
 
-    def step_stats(self) -> dict[str, int]:
-        """Sampling figures for the step's metrics (skips since the last call)."""
+    def step_stats(self) -> dict[str, float]:
+        """Sampling figures for the step's metrics (skips, resamples and the scheduled group
+        size, as the mean over groups submitted, since the last call; no size when none was)."""
+        sizes, self._sizes = self._sizes, []
+        resamples = {f"sampler/{k}": v for k, v in self._resample_counts.items()}
+        self._resample_counts = dict.fromkeys(self._resample_counts, 0)
         return {
             "sampler/groups_generated": self._generated,
             "sampler/skipped_prompts": self.history.take_skipped(),
             **{f"sampler/{k}": v for k, v in self.history.counts().items()},
             "buffer/short_batches": self.short_batches,
+            **({"rollout/group_size": sum(sizes) / len(sizes)} if sizes else {}),
+            **(resamples if self.group_sizes and self.group_sizes.resample else {}),
         }
 
     def take_rewards(self) -> tuple[list[float], int]:
@@ -267,6 +355,8 @@ class ActiveSampler:
             "submitted": self.submitted,
             "short_batches": self.short_batches,
             "history": self.history.state(),
+            "fills": self.fills,
+            "resampled": self.resampled,
         }
 
     async def snapshot(self) -> tuple[dict, dict, list[Group] | None]:
@@ -294,6 +384,7 @@ class ActiveSampler:
         self._recent = deque(state["recent"], maxlen=self._recent.maxlen)
         self.submitted = state["submitted"]
         self.short_batches = state.get("short_batches", 0)
+        self.fills, self.resampled = state.get("fills", 0), state.get("resampled", 0)
         if "history" in state:
             self.history.load_state(state["history"])
         return len(in_flight)
