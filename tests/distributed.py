@@ -28,13 +28,13 @@ def run_ranks(
     timeout_s: float = 300,
     env: dict | None = None,
     attempts: int = 3,
-    worker: Path = WORKER,
+    worker: Path | None = None,
 ) -> list[dict]:
-    """Runs `worker` (learner_worker.py) on every rank; returns each rank's JSON result. A failing rank
+    """Runs `worker` (default: WORKER, read at the call, so a test may point it elsewhere) on every rank; returns each rank's JSON result. A failing rank
     stops the others at once, and the error names it and shows the end of its log. A port
     taken between choosing and binding it (a race with other sockets) is retried."""
     for attempt in range(attempts):
-        failures = _launch(world_size, args, out_dir, timeout_s, env or {}, worker)
+        failures = _launch(world_size, args, out_dir, timeout_s, env or {}, worker or WORKER)
         if not failures:
             return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world_size)]
         if not any("EADDRINUSE" in f for f in failures) or attempt + 1 == attempts:

@@ -74,8 +74,10 @@ def test_budgeted_step_equals_the_padded_step(layout, tiny_hf_dir, tmp_path):
             # quarter of the tokens rejected (5e-7 without rejection), in every layout alike
             assert d["grad_diff"] <= 2e-6 and d["grad_scale"] > 1e-2, (where, d["grad_diff"], d["grad_scale"])
             padded, budget = d["padded"], d["budget"]
-            for key in ("policy_loss", "entropy", "grad_norm", "clipfrac", "ratio_mean", "rollout_is_mean"):
+            for key in ("policy_loss", "entropy", "clipfrac", "ratio_mean", "rollout_is_mean"):
                 assert budget[key] == pytest.approx(padded[key], rel=1e-6, abs=1e-6), (where, key)
+            # the norm of those gradients, to their bound (TP2+SP with R2 on an AMD EPYC: 1.2e-6)
+            assert budget["grad_norm"] == pytest.approx(padded["grad_norm"], rel=2e-6), (where, "grad_norm")
             assert 0.05 < budget["rollout_rs_masked_fraction"] < 0.5, where  # rejection is on and bites
             if mode != "none":
                 assert min(d["checked"]) > 0 and d["mismatched"] == [0, 0], where

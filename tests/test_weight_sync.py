@@ -384,6 +384,8 @@ def test_a_survivor_that_cannot_close_its_session_is_named_for_restart_and_kept_
     dying = start_engine(tiny_hf_dir, tmp_path)
     weights = list(load_file(str(tiny_hf_dir / "model.safetensors")).items())
     announced = []
+    # the module's engine carries whatever version earlier tests left; the new one starts at 0
+    assert httpx.post(f"{engines[0].url}/update_weight_version", json={"new_version": "0"}).status_code == 200
 
     class StuckSurvivor(EngineClient):
         async def update_weights_from_distributed(self, request):

@@ -161,7 +161,7 @@ def submit(plans: list[RunPlan], args, out=None) -> list[RunPlan]:
 
     out = out or sys.stdout
     waiting = []
-    checked = False
+    memory: list[str] | None = None
     for plan in plans:
         if plan.finished():
             continue
@@ -176,11 +176,11 @@ def submit(plans: list[RunPlan], args, out=None) -> list[RunPlan]:
         try:
             cfg = load_config(plan.config)
             resources = slurm.plan(cfg, args.nodes, args.gpus_per_node)
-            if not checked:  # every run has the same layout: one memory check
-                memory_plan.submit_check(cfg, args)
-                checked = True
+            if memory is None:  # every run has the same layout: one memory check
+                memory = memory_plan.submit_check(cfg, args)
             slurm.check_inputs_present(cfg)
             spec = slurm.job_spec(args, cfg, plan.config, [], plan.dir / "slurm", f"rlvr-{plan.name}")
+            spec.memory_lines = memory
             script = slurm.render(spec, resources)
             spec.log_root.mkdir(parents=True, exist_ok=True)
             job_id = slurm.sbatch(script)

@@ -21,10 +21,12 @@ import socket
 import sys
 import time
 
+from megatron_rlvr.errors import UserError
+
 NODE_LABEL = "slurm-node"
 
 
-class JoinError(RuntimeError):
+class JoinError(UserError, RuntimeError):
     """The head's address cannot be had, said in one line."""
 
 

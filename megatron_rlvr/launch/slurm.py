@@ -178,6 +178,7 @@ class JobSpec:
     join_timeout_s: int = 300
     stop_grace_s: int = 300  # SIGTERM this long before the time limit: the run saves and stops
     stop_grace_reason: str = ""  # how stop_grace_s was sized, for the script's header
+    memory_lines: list[str] = field(default_factory=list)  # the memory plan's table, for the header
 
 
 def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
@@ -217,6 +218,8 @@ def render(spec: JobSpec, resources: Plan, template: Path = TEMPLATE) -> str:
     header = [f"#SBATCH {d}" for d in directives]
     header += ["#", "# Resources (checked by megatron-rlvr submit before submission):"]
     header += [f"#   {line}" for line in resources.lines()]
+    if spec.memory_lines:
+        header += ["# Memory per GPU (megatron-rlvr plan):", *[f"#   {line}" for line in spec.memory_lines]]
     if spec.stop_grace_reason:
         header += [f"# Stop grace (SIGTERM before the time limit, the driver's time to save): {spec.stop_grace_reason}"]
     fields = {
@@ -391,7 +394,7 @@ def add_submit_parser(sub) -> None:
 def submit_command(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     resources = plan(cfg, args.nodes, args.gpus_per_node)
-    memory_plan.submit_check(cfg, args)  # per-GPU memory table on stderr; refuses a GPU over its memory
+    memory = memory_plan.submit_check(cfg, args)  # the per-GPU table; refuses a GPU over its memory
     log_root = Path(args.log_dir or Path(cfg.trainer.output_dir) / "slurm").absolute()
     spec = job_spec(
         args,
@@ -401,6 +404,7 @@ def submit_command(args: argparse.Namespace) -> int:
         log_root,
         args.job_name or f"rlvr-{Path(args.config).stem}",
     )
+    spec.memory_lines = memory
     script = render(spec, resources)
     if args.dry_run:
         print(script, end="")
@@ -427,6 +431,8 @@ def submit_command(args: argparse.Namespace) -> int:
     print(f"  driver:   {job_dir / 'driver.log'}")
     print(f"  ray:      {job_dir}/ray-{{head,worker}}-<node>.log")
     print(f"  script:   {job_dir / 'job.sbatch'}")
+    for line in memory:
+        print(f"  | {line}")
     if not args.follow:
         return 0
     try:

@@ -11,6 +11,7 @@ over its memory. Reads only config.json: no torch, seconds on a login node.
 from __future__ import annotations
 
 import argparse
+import io
 import sys
 from collections.abc import Callable
 
@@ -73,14 +74,16 @@ def add_submit_flags(cmd: argparse.ArgumentParser) -> None:
     )
 
 
-def submit_check(cfg: ResolvedConfig, args: argparse.Namespace) -> None:
-    """`submit`'s memory check: the plan's tables on stderr, then a refusal (MemoryPlanError)
-    when a GPU is over its memory, unless --no-memory-check. Nothing for a run without GPUs."""
+def submit_check(cfg: ResolvedConfig, args: argparse.Namespace) -> list[str]:
+    """`submit`'s memory check: the plan's table (returned, for the script's header), a warning
+    on stderr above 90%, a refusal (MemoryPlanError, one line) when a GPU is over its memory,
+    unless --no-memory-check. Nothing for a run without GPUs."""
     engine = cfg.rollout.engine
     if cfg.parallel.device != "cuda" and not (isinstance(engine, SglangEngine) and engine.device == "cuda"):
-        return
+        return []
+    table = io.StringIO()
     try:
-        warnings = memory_report(cfg, args, out=sys.stderr)
+        warnings = memory_report(cfg, args, out=table)
     except MemoryPlanError as err:
         if not args.no_memory_check:
             raise
@@ -89,3 +92,4 @@ def submit_check(cfg: ResolvedConfig, args: argparse.Namespace) -> None:
         ]
     for warning in warnings:
         print(f"megatron-rlvr submit: warning: {warning}", file=sys.stderr)
+    return table.getvalue().splitlines()
