@@ -90,3 +90,37 @@ def test_a_hanging_response_is_scored_timeout_and_the_pool_finishes_its_step():
     finally:
         if not hung:
             pool.close()
+
+
+def test_a_worker_computing_a_runaway_verdict_ends_when_its_parent_is_killed(tmp_path):
+    """Its deadline is the parent's to enforce: a worker left behind by a killed run (or test)
+    must not compute forever (one was found at 67% of a core an hour after its parent died)."""
+    import psutil
+
+    script = (
+        "import sys, threading\n"
+        "from megatron_rlvr.rewards.math import MathVerifier\n"
+        "v = MathVerifier(timeout_s=600.0, num_workers=1)\n"
+        f"threading.Thread(target=v.verify, args=({RUNAWAY!r}, '0'), daemon=True).start()\n"
+        "print('started', flush=True)\n"
+        "threading.Event().wait()\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    try:
+        assert parent.stdout is not None and parent.stdout.readline().strip() == "started"
+        workers: list = []
+        for _ in range(600):  # the worker: started, then handed the runaway pair
+            workers = [c for c in psutil.Process(parent.pid).children() if "rewards.sandbox" in " ".join(c.cmdline())]
+            if workers and workers[0].cpu_times().user > 1.0:
+                break
+            threading.Event().wait(0.1)
+        assert workers, "no sandbox worker started"
+        parent.kill()
+        parent.wait(30)
+        gone, alive = psutil.wait_procs(workers, timeout=30)
+        assert not alive, f"orphaned workers still running: {[p.pid for p in alive]}"
+    finally:
+        parent.kill()
+        for child in psutil.Process().children(recursive=True):
+            if "rewards.sandbox" in " ".join(child.cmdline()):
+                child.kill()

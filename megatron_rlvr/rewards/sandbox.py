@@ -63,9 +63,20 @@ def verdict_in_worker(response: str, gold: str) -> Verdict:
     return (1.0 if equal else 0.0), reason
 
 
+def _exit_with_parent(parent: int, poll_s: float = 1.0) -> None:
+    """Ends this worker once the process that started it is gone (a killed run or test): its
+    deadline is enforced from there, so an orphan computing a runaway verdict would never stop.
+    A thread, not PR_SET_PDEATHSIG: that fires when the starting *thread* ends, and pools start
+    workers from short-lived threads."""
+    while os.getppid() == parent:
+        time.sleep(poll_s)
+    os._exit(1)
+
+
 def _serve(memory_mb: int) -> None:
     import resource
 
+    threading.Thread(target=_exit_with_parent, args=(os.getppid(),), daemon=True).start()
     limit = memory_mb * 1024 * 1024
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     protocol = os.fdopen(os.dup(1), "w", buffering=1)
