@@ -130,7 +130,7 @@ def _kill_session(proc: subprocess.Popen) -> None:
 
 
 # ============================================================================ supervisor side
-def _in_child(target, settings: dict, *, wall_s: float, stdin_data: str = "") -> dict:
+def in_child(target, settings: dict, *, wall_s: float, stdin_data: str = "") -> dict:
     """Runs target() (→ a JSON-able dict) in a forked, confined child with a wall-time deadline.
     Returns {"status": ..., "output": stdout text, ...target's dict}: what the child reports is
     data for the parent to judge, never a verdict (the child can write anything there)."""
@@ -313,7 +313,7 @@ def _code_job(job: dict, settings: dict) -> dict:
         if left <= 0.05:
             outcomes.append({"status": "timeout"})
             continue
-        outcome = _in_child(_code_test(job["code"], test), settings, wall_s=left, stdin_data=test.get("input", ""))
+        outcome = in_child(_code_test(job["code"], test), settings, wall_s=left, stdin_data=test.get("input", ""))
         outcomes.append(outcome)
         if outcome["status"] in ("sandbox_violation", "syntax_error"):
             break  # the same for every test
@@ -337,7 +337,7 @@ def _function_job(job: dict, function, settings: dict) -> dict:
     def target() -> dict:
         return call_function(function, job["response"], job["record"])
 
-    return {"outcome": _in_child(target, settings, wall_s=settings["wall_s"])}
+    return {"outcome": in_child(target, settings, wall_s=settings["wall_s"])}
 
 
 def _judge_job(job: dict, settings: dict) -> dict:
@@ -354,7 +354,7 @@ def _judge_job(job: dict, settings: dict) -> dict:
             return _error(err)
         return {"status": "passed"}
 
-    return {"outcome": _in_child(target, settings, wall_s=settings["wall_s"])}
+    return {"outcome": in_child(target, settings, wall_s=settings["wall_s"])}
 
 
 def readable_paths() -> list[str]:
