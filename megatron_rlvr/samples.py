@@ -22,6 +22,13 @@ class Sample:
     routed_experts: np.ndarray | None = None  # [prompt+response − 1, layers, top_k], compact
     reward: float | None = None
     engine: str = ""
+    # an episode (agent/): 1 on tokens the model sampled, 0 on tool turns and template
+    # boundaries (never scored or trained); None: every response token was sampled
+    loss_mask: list[int] | None = None
+
+    def sampled_mask(self) -> list[int]:
+        """1 per response token the model sampled (all of them unless loss_mask says otherwise)."""
+        return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
 
     def token_versions(self) -> list[int]:
         """The policy version that computed each response token, from the engine's spans (a
