@@ -142,6 +142,41 @@ def test_a_three_turn_tool_conversation_trains_exactly_the_assistants_tokens(tok
     assert after_end == [0] * len(after_end)
 
 
+def test_the_cold_start_trains_the_tokens_and_mask_an_rl_episode_of_the_same_conversation_has(tokenizer):
+    """An episode (agent/render.py) sends the prompt, then each model turn's tokens as sampled (up
+    to its end token) and the bridge the template adds (the boundary after the end token, the tool
+    turn, the generation prompt). SFT on the same conversation must give those ids and that mask,
+    or the cold start learns a turn layout RL then never shows (a dropped separator, a trained
+    boundary)."""
+    from megatron_rlvr.agent.render import TurnRenderer
+
+    def text_of(message: dict) -> str:  # what the model writes for a turn (the template renders calls so)
+        calls = [c["function"] for c in message.get("tool_calls", [])]
+        return message["content"] + "".join(
+            f'<tool_call>{{"name": "{c["name"]}", "arguments": {json.dumps(c["arguments"])}}}</tool_call>'
+            for c in calls
+        )
+
+    renderer = TurnRenderer(tokenizer, tools=[CALC])
+    ids = renderer.prompt(THREE_TURNS[:1])
+    mask = [0] * len(ids)
+    history = THREE_TURNS[:1]
+    turns = [(1, [2]), (3, [4, 5]), (6, [])]  # each assistant message and the tool turns after it
+    for index, tool_turns in turns:
+        written = text_of(THREE_TURNS[index])
+        model_ids = tokenizer(written, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        ids, mask = ids + model_ids, mask + [1] * len(model_ids)
+        if tool_turns:
+            bridge = renderer.bridge(history, written, [THREE_TURNS[k] for k in tool_turns], model_ids)
+            assert bridge.broken is None
+            ids, mask = ids + bridge.ids, mask + [0] * len(bridge.ids)
+            history = [*history, {"role": "assistant", "content": written}, *(THREE_TURNS[k] for k in tool_turns)]
+    example = ConversationRenderer(tokenizer, PromptFormat()).example(Conversation(THREE_TURNS, [CALC]))
+    assert example.ids[: len(ids)] == ids and example.mask[: len(ids)] == mask
+    # the render goes on with the boundary after the last end token, which the episode never needs
+    assert tokenizer.decode(example.ids[len(ids) :]) == "\n" and example.mask[len(ids) :] == [0]
+
+
 def test_a_conversation_ending_on_a_tool_turn_trains_up_to_its_last_assistant_turn(tokenizer):
     renderer = ConversationRenderer(tokenizer, PromptFormat())
     cut = renderer.example(Conversation(THREE_TURNS[:5], [CALC]))
