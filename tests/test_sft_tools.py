@@ -195,7 +195,7 @@ def test_a_template_that_re_renders_history_is_refused_naming_the_record(tokeniz
     ]
     renderer = ConversationRenderer(tokenizer, PromptFormat())
     with pytest.raises(
-        DataError, match=r"^t\.jsonl:4: the chat template renders the turns before message 3 differently"
+        DataError, match=r"^t\.jsonl:4: the chat template renders the conversation before assistant turn 2 differently"
     ):
         renderer.example(Conversation(conversation, None, "t.jsonl:4"))
     conversation[1]["content"] = "#### 2"  # no reasoning: nothing to strip
@@ -207,7 +207,14 @@ def test_a_template_that_re_renders_history_is_refused_naming_the_record(tokeniz
 def test_tool_records_load_with_tools_per_row_or_from_the_config(tmp_path):
     rows = [
         {"messages": THREE_TURNS, "tools": json.dumps([CALC])},  # as Parquet files often hold them: JSON text
-        {"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": None, **call("1+1")}]},
+        {
+            "messages": [
+                {"role": "user", "content": "x"},
+                {**call("1+1"), "content": None, "reasoning_content": "add", "extra": 1},
+                {"role": "tool", "content": "2", "tool_call_id": "c1", "name": "calc"},
+                {"role": "assistant", "content": "#### 2"},
+            ]
+        },
     ]
     path = tmp_path / "tools.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -215,11 +222,15 @@ def test_tool_records_load_with_tools_per_row_or_from_the_config(tmp_path):
     sft = SftConfig.model_validate({"data": {"type": "file", "path": str(path), "tools": [other]}})
     first, second = load_conversations(sft, 0)
     assert first.tools == [CALC] and second.tools == [other]
-    assert second.messages[1] == {
-        "role": "assistant",
-        "content": "",
-        "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "1+1"}}}],
-    }
+    assert second.messages[1:3] == [
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "calc", "arguments": {"expr": "1+1"}}}],
+            "reasoning_content": "add",
+        },
+        {"role": "tool", "content": "2", "tool_call_id": "c1", "name": "calc"},
+    ]
     bad = [
         (
             {"messages": [{"role": "assistant", "content": "", **call("1")}], "tools": [{"name": "calc"}]},

@@ -112,7 +112,8 @@ def _conversation(row: dict, source: SftFile, where: str, shared: list[dict] | N
 def _message(m: Any, where: str) -> dict[str, Any]:
     """A message in OpenAI's layout, checked and reduced to what templates read: role and
     content (an assistant's content may be empty or null beside its tool calls), an assistant's
-    tool_calls (arguments as a JSON object), a tool turn's tool_call_id and name."""
+    tool_calls (arguments as a JSON object) and reasoning_content, a tool turn's tool_call_id
+    and name."""
     if not isinstance(m, dict) or m.get("role") not in ROLES:
         raise DataError(f"{where} must be a list of {{role, content}} messages (roles: {', '.join(ROLES)})")
     calls = m.get("tool_calls") if m["role"] == "assistant" else None
@@ -124,8 +125,8 @@ def _message(m: Any, where: str) -> dict[str, Any]:
         if not isinstance(calls, list):
             raise DataError(f"{where}: an assistant message's tool_calls must be a list")
         out["tool_calls"] = [_tool_call(call, where) for call in calls]
-    if m["role"] == "tool":
-        out.update({k: m[k] for k in ("tool_call_id", "name") if isinstance(m.get(k), str)})
+    kept = {"assistant": ("reasoning_content",), "tool": ("tool_call_id", "name")}.get(m["role"], ())
+    out.update({k: m[k] for k in kept if isinstance(m.get(k), str)})
     return out
 
 
@@ -205,19 +206,19 @@ class ConversationRenderer:
         messages = messages[: max(i for i, m in enumerate(messages) if m["role"] == "assistant") + 1]
         ids: list[int] = []
         mask: list[int] = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        for turn, i in enumerate(turns, start=1):
             before = self._render(messages[:i], True, tools)
             through = self._render(messages[: i + 1], False, tools)
             if before[: len(ids)] != ids:
                 raise DataError(
-                    f"{where}: the chat template renders the turns before message {i} differently once later "
-                    "turns follow (it re-renders history: past reasoning stripped?), so assistant turns cannot be masked"
+                    f"{where}: the chat template renders the conversation before assistant turn {turn} differently "
+                    "once later turns follow (it re-renders history: past reasoning stripped?), so its assistant "
+                    "turns cannot be masked"
                 )
             if through[: len(before)] != before:
                 raise DataError(
-                    f"{where}: the chat template's render of assistant message {i} does not begin with its "
+                    f"{where}: the chat template's render of assistant turn {turn} does not begin with its "
                     "generation prompt, so its tokens cannot be masked"
                 )
             mask += [0] * (len(before) - len(ids)) + self._generated(through[len(before) :])
