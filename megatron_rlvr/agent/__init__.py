@@ -1,0 +1,1 @@
+"""Episodes: multi-turn rollouts with tool calls (issue 49)."""
