@@ -30,7 +30,7 @@ from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import PARITY_TOLERANCE, WeightSyncConfig, load_config
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
-from megatron_rlvr.rollout.routed_experts import decode_routed_experts
+from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, decode_routed_experts
 from megatron_rlvr.samples import Group, Sample
 from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
@@ -213,6 +213,32 @@ def test_cache_salt_keeps_prefixes_apart(engine):
         reply = httpx.post(f"{engine.url}/generate", json={**body, "cache_salt": salt}, timeout=120).json()
         cached.append(reply["meta_info"]["cached_tokens"])
     assert cached[1] == len(ids) - 1 and cached[2] == 0
+
+
+def test_an_episode_whose_routing_does_not_cover_its_turns_is_one_line_naming_the_turn():
+    """Without an engine: rows that do not cover a turn's positions, a turn that does not
+    continue the ones before, and no turns at all are refused, naming the sample and turn."""
+    rows = np.zeros((13, LAYERS, TOP_K), dtype=np.uint8)
+    first = TurnReply(8, 6, rows, "0")
+    cases = [
+        (
+            [first, TurnReply(18, 6, np.zeros((22, LAYERS, TOP_K), dtype=np.uint8), "0")],
+            "sample s turn 2: routed_experts has 22 rows, the turn fed 23 positions",
+        ),
+        (
+            [first, TurnReply(10, 2, np.zeros((11, LAYERS, TOP_K), dtype=np.uint8), "0")],
+            "sample s turn 2: its input (10 tokens) is shorter than the turns before it (14)",
+        ),
+        ([], "sample s: an episode with no turns has no routing"),
+    ]
+    for turns, message in cases:
+        with pytest.raises(RoutedExpertsError) as err:
+            episode_routing(turns, "s")
+        assert str(err.value).startswith(message) and "\n" not in str(err.value)
+    routing, rerouted = episode_routing(
+        [first, TurnReply(18, 6, np.ones((23, LAYERS, TOP_K), dtype=np.uint8), "1")], "s"
+    )
+    assert routing.shape == (23, LAYERS, TOP_K) and rerouted == 1.0
 
 
 # ----------------------------------------------------------------------------- must-show
