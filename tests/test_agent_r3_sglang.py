@@ -24,7 +24,7 @@ from engine_fixtures import hf_teacher_forced, start_sglang
 from safetensors.torch import load_file
 from test_engine_api import updated_model_dir
 
-from megatron_rlvr.agent.routing import TurnReply, episode_routing, episode_weight_versions
+from megatron_rlvr.agent.routing import episode_routing
 from megatron_rlvr.algo.advantages import AdvantageOptions
 from megatron_rlvr.batching import groups_to_batch
 from megatron_rlvr.config import PARITY_TOLERANCE, WeightSyncConfig, load_config
@@ -189,18 +189,8 @@ def test_a_sync_that_flushes_routes_the_history_again_under_the_new_weights(engi
     assert (torch.tensor(first_lp) - old_lp).abs().max() <= 1e-4
     first_under_new, _ = hf_teacher_forced(new_dir, PROMPT, first_out, 1.0)
     assert (torch.tensor(first_lp) - first_under_new).abs().max() > 0.1
-    turns = [
-        TurnReply(len(PROMPT), len(first_out), first_routing, first_meta.weight_version),
-        TurnReply(len(ep["second_in"]), len(second_out), second_routing, meta.weight_version),
-    ]
-    routing, rerouted = episode_routing(turns, "c-flush")
-    assert routing is second_routing and rerouted == 1 - agreement_rows(first_routing, second_routing)
-    assert rerouted > 0  # the history was routed again: visible, not silent
-
-
-def agreement_rows(a: np.ndarray, b: np.ndarray) -> float:
-    """Share of positions whose rows agree in every layer."""
-    return float((a == b[: a.shape[0]]).all(axis=(1, 2)).mean())
+    assert agreement(second_routing[: ep["history"]], first_routing) < 1.0  # the history routed again
+    assert episode_routing(second_routing, len(ep["second_in"]) + len(second_out), "c") is second_routing
 
 
 def test_cache_salt_keeps_prefixes_apart(engine):
@@ -215,30 +205,14 @@ def test_cache_salt_keeps_prefixes_apart(engine):
     assert cached[1] == len(ids) - 1 and cached[2] == 0
 
 
-def test_an_episode_whose_routing_does_not_cover_its_turns_is_one_line_naming_the_turn():
-    """Without an engine: rows that do not cover a turn's positions, a turn that does not
-    continue the ones before, and no turns at all are refused, naming the sample and turn."""
-    rows = np.zeros((13, LAYERS, TOP_K), dtype=np.uint8)
-    first = TurnReply(8, 6, rows, "0")
-    cases = [
-        (
-            [first, TurnReply(18, 6, np.zeros((22, LAYERS, TOP_K), dtype=np.uint8), "0")],
-            "sample s turn 2: routed_experts has 22 rows, the turn fed 23 positions",
-        ),
-        (
-            [first, TurnReply(10, 2, np.zeros((11, LAYERS, TOP_K), dtype=np.uint8), "0")],
-            "sample s turn 2: its input (10 tokens) is shorter than the turns before it (14)",
-        ),
-        ([], "sample s: an episode with no turns has no routing"),
-    ]
-    for turns, message in cases:
+def test_a_last_turn_routing_that_does_not_cover_the_episode_is_one_line_naming_the_sample():
+    """Without an engine: rows short of (or beyond) the episode's positions are refused."""
+    for rows in (22, 24):
         with pytest.raises(RoutedExpertsError) as err:
-            episode_routing(turns, "s")
-        assert str(err.value).startswith(message) and "\n" not in str(err.value)
-    routing, rerouted = episode_routing(
-        [first, TurnReply(18, 6, np.ones((23, LAYERS, TOP_K), dtype=np.uint8), "1")], "s"
-    )
-    assert routing.shape == (23, LAYERS, TOP_K) and rerouted == 1.0
+            episode_routing(np.zeros((rows, LAYERS, TOP_K), dtype=np.uint8), 24, "g/0")
+        message = str(err.value)
+        assert message.startswith(f"sample g/0: the last turn's routed_experts has {rows} rows, the episode fed 23")
+        assert "\n" not in message
 
 
 # ----------------------------------------------------------------------------- must-show
@@ -261,12 +235,13 @@ def test_a_three_turn_episode_with_a_sync_between_turns_1_and_2_is_replayed_exac
     for before, after in zip(inputs, inputs[1:]):
         assert after[: len(before)] == before
     final = inputs[-1] + replies[-1][0]
-    turns = [
-        TurnReply(len(ids), len(out), routing, meta.weight_version, meta.weight_versions or [])
-        for ids, (out, _, routing, meta) in zip(inputs, replies)
+    routing = episode_routing(replies[-1][2], len(final), "episode")  # covers every position but the last
+    assert agreement(routing[: len(PROMPT) + len(replies[0][0]) - 1], replies[0][2]) < 1.0  # the sync re-routed
+    spans = [  # each turn's version spans moved to its place in the response, as agent/episode.py does
+        {**span, "start": span["start"] + len(ids) - len(PROMPT), "end": span["end"] + len(ids) - len(PROMPT)}
+        for ids, (_, _, _, meta) in zip(inputs, replies)
+        for span in meta.weight_versions or []
     ]
-    routing, rerouted = episode_routing(turns, "episode")
-    assert routing.shape[0] == len(final) - 1 and rerouted > 0  # the sync re-routed turn 1's positions
     response = final[len(PROMPT) :]
     loss_mask = [0] * len(response)
     logprobs = [0.0] * len(response)
@@ -285,8 +260,8 @@ def test_a_three_turn_episode_with_a_sync_between_turns_1_and_2_is_replayed_exac
         response_ids=response,
         rollout_logprobs=logprobs,
         finish_reason="length",
-        weight_version=turns[-1].weight_version,
-        weight_versions=episode_weight_versions(turns, len(PROMPT)),
+        weight_version=replies[-1][3].weight_version,
+        weight_versions=spans,
         routed_experts=routing,
         reward=1.0,
         loss_mask=loss_mask,
