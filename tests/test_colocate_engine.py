@@ -6,10 +6,12 @@ are refused in one line, and every parameter of each family handed over bitwise.
 
 import asyncio
 import base64
+import contextlib
 import io
 import pickle
 import threading
 import time
+import types
 
 import httpx
 import pytest
@@ -18,10 +20,12 @@ from engine_fixtures import hf_teacher_forced, start_engine
 from tiny_families import FAMILIES, hf_model
 
 from megatron_rlvr.config import TinyModel
+from megatron_rlvr.learner.parallel import free_port
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
 from megatron_rlvr.rollout.cpu_engine import CpuEngine, EngineError, expert_weight_table
 from megatron_rlvr.rollout.memory_api import MemoryOccupation
+from megatron_rlvr.rollout.server import create_app
 from megatron_rlvr.tiny_model import build_tiny_hf_model
 from megatron_rlvr.weight_sync.tensor_handover import hand_over, serialize
 
@@ -39,9 +43,9 @@ def post(engine, path, body=None, timeout=60):
     return httpx.post(f"{engine.url}{path}", json=body, timeout=timeout)
 
 
-def engine_weight(engine, name: str) -> torch.Tensor:
+def engine_weight(engine, name: str, http=httpx) -> torch.Tensor:
     """A weight as the engine holds it, whole (float32 round-trips JSON exactly)."""
-    response = post(engine, "/get_weights_by_name", {"name": name, "truncate_size": 1 << 30})
+    response = http.post(f"{engine.url}/get_weights_by_name", json={"name": name, "truncate_size": 1 << 30}, timeout=60)
     assert response.status_code == 200, response.text
     return torch.tensor(response.json(), dtype=torch.float32)
 
@@ -53,7 +57,9 @@ def run(coro):
 async def _hand_over(url: str, named: dict[str, torch.Tensor], version: str, bucket_bytes: int = 20_000):
     client = EngineClient(url, update_timeout_s=60)
     try:
-        return await hand_over([(client, 1)], list(named.items()), bucket_bytes=bucket_bytes, weight_version=version)
+        return await hand_over(
+            [(client, 1)], list(named.items()), bucket_bytes=bucket_bytes, weight_version=version, settle_s=0.1
+        )
     finally:
         await client.close()
 
@@ -210,6 +216,31 @@ def test_client_calls_are_bounded_and_name_what_they_waited_for():
         run(calls())
 
 
+def test_a_bucket_outlives_the_replies_until_the_settle_bound():
+    """SGLang answers before its device copy ends: a sent bucket must not be freed (so not
+    reused) at the reply, only once settle_s has passed after it."""
+    import weakref
+
+    from megatron_rlvr.weight_sync.buckets import pack
+    from megatron_rlvr.weight_sync.tensor_handover import _Held
+
+    def sent():
+        bucket = pack([("w", torch.ones(4))])
+        return bucket, weakref.ref(bucket.buffer)
+
+    held = _Held(settle_s=3600.0)
+    bucket, first = sent()
+    held.keep(bucket)
+    bucket, second = sent()
+    held.keep(bucket)
+    del bucket
+    assert first() is not None and second() is not None  # replied, but the bound has not passed
+    held.free_due(time.monotonic() + 3599.0)
+    assert first() is not None and second() is not None
+    held.free_due(time.monotonic() + 3601.0)
+    assert first() is None and second() is None
+
+
 def _rss(pid: int) -> int:
     with open(f"/proc/{pid}/status") as status:
         return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
@@ -250,20 +281,40 @@ def test_the_engine_rss_falls_by_its_weights_and_kv_cache_on_release_and_comes_b
 
 
 # ----------------------------------------------------------------------------- every family
+@contextlib.contextmanager
+def served_here(model_dir):
+    """The CPU engine's app on loopback from a thread of this process: a real HTTP server,
+    without a process start per family (the payload's cross-process path is the module
+    engine's and the RSS test's)."""
+    import uvicorn
+
+    engine = CpuEngine(str(model_dir))
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine), host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the in-process engine server did not start"
+        time.sleep(0.01)
+    try:
+        yield types.SimpleNamespace(url=f"http://127.0.0.1:{port}")
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        engine.stop()
+
+
 @pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", *FAMILIES])
-def test_every_parameter_of_each_family_is_handed_over_bitwise(
-    family, family_dir, tiny_hf_dir, tiny_gpt_oss_dir, tmp_path
-):
+def test_every_parameter_of_each_family_is_handed_over_bitwise(family, family_dir, tiny_hf_dir, tiny_gpt_oss_dir):
     model_dir = {"qwen3_moe": tiny_hf_dir, "gpt_oss": tiny_gpt_oss_dir}.get(family) or family_dir(family)
     table = expert_weight_table(hf_model(model_dir))
     gen = torch.Generator().manual_seed(7)
     new = {name: torch.randn(t.shape, generator=gen).to(t.dtype) for name, t in table.items()}
-    proc = start_engine(model_dir, tmp_path, routed=False)
-    try:
-        stats = run(_hand_over(proc.url, new, "1"))
-        assert stats.tensors == len(new)
-        for name, tensor in new.items():
-            assert torch.equal(engine_weight(proc, name).view(torch.int32), tensor.view(torch.int32)), name
-        assert httpx.get(f"{proc.url}/model_info").json()["weight_version"] == "1"
-    finally:
-        proc.stop()
+    with served_here(model_dir) as server:
+        stats = run(_hand_over(server.url, new, "1", bucket_bytes=1 << 16))
+        assert stats.tensors == len(new) and stats.buckets > 1
+        with httpx.Client() as http:
+            for name, tensor in new.items():
+                assert torch.equal(engine_weight(server, name, http).view(torch.int32), tensor.view(torch.int32)), name
+            assert http.get(f"{server.url}/model_info").json()["weight_version"] == "1"

@@ -105,9 +105,13 @@ class _Held:
         self._held: list[tuple[float, Bucket]] = []
 
     def keep(self, bucket: Bucket) -> None:
-        self._held.append((time.monotonic() + self.settle_s, bucket))
+        """Called once every engine replied for `bucket`."""
         now = time.monotonic()
-        self._held = [(until, b) for until, b in self._held if until > now]
+        self.free_due(now)
+        self._held.append((now + self.settle_s, bucket))
+
+    def free_due(self, now: float) -> None:
+        self._held = [(until, bucket) for until, bucket in self._held if until > now]
 
     async def drain(self) -> None:
         if self._held:
