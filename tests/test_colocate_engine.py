@@ -276,6 +276,10 @@ def test_the_engine_rss_falls_by_its_weights_and_kv_cache_on_release_and_comes_b
         resumed = _rss(pid)
     finally:
         proc.stop()
+    mib = {
+        k: round(v / 2**20) for k, v in dict(served=served, released=released, resumed=resumed, weights=weights).items()
+    }
+    print(f"engine RSS MiB: {mib}")  # docs/colocation.md quotes this line (pytest -rP)
     assert served - released >= weights + kv_cache, (served, released, weights, kv_cache)
     assert resumed - released >= weights, (resumed, released, weights)
 
