@@ -79,6 +79,7 @@ def test_released_engine_refuses_generate_and_updates_and_its_weights_come_back_
     assert "weights are released" in post(engine, "/update_weights_from_tensor", update).json()["message"]
     post(engine, "/end_weight_update", {})
     assert "already released: weights" in post(engine, "/release_memory_occupation", {"tags": ["weights"]}).text
+    assert "weights are released" in post(engine, "/get_weights_by_name", {"name": "lm_head.weight"}).text
 
     assert post(engine, "/resume_memory_occupation", {"tags": ["weights"]}).status_code == 200
     assert post(engine, "/generate", body).status_code == 400  # the KV cache is still released
@@ -118,6 +119,29 @@ def test_release_is_refused_while_a_request_runs(engine):
     assert results["row"]["meta_info"]["finish_reason"]["type"] == "abort"
     assert post(engine, "/release_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]}).status_code == 200  # idle
     assert post(engine, "/resume_memory_occupation", {}).status_code == 200
+
+
+def test_requests_retracted_by_a_pause_wait_through_a_release_and_finish_after_resume(engine):
+    """As SGLang: a paused engine may release with retracted requests waiting (they hold no
+    KV cache); they are not admitted until the memory is resumed and generation continued."""
+    results = {}
+    body = {"input_ids": [3, 1, 4], "rid": "kept", "sampling_params": {"max_new_tokens": 480, "ignore_eos": True}}
+    thread = threading.Thread(target=lambda: results.update(row=post(engine, "/generate", body, timeout=180).json()))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 60
+        while post(engine, "/flush_cache").status_code == 200:
+            assert time.monotonic() < deadline, "the long request never started running"
+            time.sleep(0.02)
+        assert post(engine, "/pause_generation", {"mode": "retract"}).status_code == 200
+        assert post(engine, "/release_memory_occupation", {"tags": ["kv_cache"]}).status_code == 200
+        assert post(engine, "/continue_generation", {}).status_code == 200
+        assert post(engine, "/flush_cache").status_code == 200  # not admitted: no KV cache held
+        assert "row" not in results
+        assert post(engine, "/resume_memory_occupation", {}).status_code == 200
+    finally:
+        thread.join(180)
+    assert results["row"]["meta_info"]["completion_tokens"] == 480
 
 
 def test_the_cpu_backup_brings_the_weights_back_intact(tiny_hf_dir):
