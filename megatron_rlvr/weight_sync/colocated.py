@@ -28,15 +28,17 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout.client import EngineClient
-from megatron_rlvr.weight_sync.buckets import Bucket, buckets
 from megatron_rlvr.weight_sync.syncer import SyncReport
+
+if TYPE_CHECKING:
+    from megatron_rlvr.weight_sync.tensor_handover import HandoverStats
 
 KV_CACHE, WEIGHTS = "kv_cache", "weights"  # SGLang's memory tags (srt/constants.py)
 
@@ -62,6 +64,7 @@ class ColocatedSyncer:
         self.clients = clients
         self.co = cfg.launch.colocation
         self.bucket_bytes = int(cfg.weight_sync.bucket_mb * 2**20)
+        self.device = "cuda" if cfg.parallel.device == "cuda" else "cpu"  # where buckets are packed: IPC on GPU
         self.engine_ranks = engine_ranks or [1] * len(clients)
         self.memory = memory
         self.version: int | None = None
@@ -94,7 +97,12 @@ class ColocatedSyncer:
         started = time.perf_counter()
         self.mark("before_sleep")
         for tag in (KV_CACHE, WEIGHTS):
-            await self._each(f"release its {tag}", _release(tag), self.co.release_timeout_s, "release_timeout_s")
+            await self._each(
+                f"release its {tag}",
+                _release(tag, self.co.release_timeout_s),
+                self.co.release_timeout_s,
+                "release_timeout_s",
+            )
             for index in range(len(self.clients)):
                 self.released.setdefault(index, []).append(tag)
         self.metrics["colocate/sleep_s"] = time.perf_counter() - started
@@ -104,7 +112,13 @@ class ColocatedSyncer:
         """Engines that released `tag` take it back; returns the seconds it took."""
         started = time.perf_counter()
         asleep = [i for i, tags in self.released.items() if tag in tags]
-        await self._each(f"resume its {tag}", _resume(tag), self.co.resume_timeout_s, "resume_timeout_s", asleep)
+        await self._each(
+            f"resume its {tag}",
+            _resume(tag, self.co.resume_timeout_s),
+            self.co.resume_timeout_s,
+            "resume_timeout_s",
+            asleep,
+        )
         for index in asleep:
             self.released[index].remove(tag)
         return time.perf_counter() - started
@@ -123,10 +137,7 @@ class ColocatedSyncer:
         self.mark("before_wake")
         wake_s = await self._wake(WEIGHTS)
         self.mark("after_wake_weights")
-        started = time.perf_counter()
-        report = await self._hand_over(named, version)
-        await self._each("flush its prefix cache", lambda c, _: c.flush_cache(), self.co.handover_timeout_s)
-        handover_s = time.perf_counter() - started
+        stats = await self._hand_over(named, version)
         self.mark("after_handover")
         wake_s += await self._wake(KV_CACHE)
         self.mark("after_wake_kv_cache")
@@ -138,38 +149,31 @@ class ColocatedSyncer:
                 f"engine {client.base_url} holds weight version {held} after the hand-over of {version}"
             )
         self.version = version
-        report.engine_version = version
-        report.seconds = handover_s
         self.metrics.update(
-            {"colocate/wake_s": wake_s, "colocate/handover_s": handover_s, "colocate/handover_bytes": report.bytes}
+            {"colocate/wake_s": wake_s, "colocate/handover_s": stats.seconds, "colocate/handover_bytes": stats.bytes}
         )
-        return report
+        return SyncReport(version, stats.buckets, stats.tensors, stats.bytes, stats.seconds, engine_version=version)
 
-    async def _hand_over(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> SyncReport:
-        """Bucket after bucket, each to every engine at once; the next bucket is packed while
-        the engines load this one, and a bucket's buffer lives until every engine has
-        answered for it (the sender keeps it beyond that where the engine copies after it
-        answers: weight_sync/tensor_handover.py)."""
-        report = SyncReport(version, 0, 0, 0, 0.0)
-        stream = buckets(named, self.bucket_bytes, "cpu")
-        current = await asyncio.to_thread(next, stream, None)
-        while current is not None:
-            upcoming = asyncio.create_task(asyncio.to_thread(next, stream, None))
-            try:
-                what = f"load bucket {report.buckets} ({len(current.names)} tensors, first {current.names[0]})"
-                await self._each(
-                    what, _load(current, version, self.engine_ranks), self.co.handover_timeout_s, "handover_timeout_s"
-                )
-            except BaseException:
-                # every learner rank is inside the export's collectives: finish it, sending nothing
-                await upcoming
-                await asyncio.to_thread(lambda: [None for _ in stream])
-                raise
-            report.buckets += 1
-            report.tensors += len(current.names)
-            report.bytes += current.nbytes
-            current = await upcoming
-        return report
+    async def _hand_over(self, named: Iterable[tuple[str, torch.Tensor]], version: int) -> HandoverStats:
+        """Flattened buckets, update_weights_from_tensor to every engine at once (one payload
+        per TP rank), each call bounded; the engines' prefix cache flushed after the last."""
+        from megatron_rlvr.weight_sync.tensor_handover import hand_over
+
+        bound = self.co.handover_timeout_s
+        try:
+            return await hand_over(
+                list(zip(self.clients, self.engine_ranks)),
+                named,
+                bucket_bytes=self.bucket_bytes,
+                weight_version=str(version),
+                device=self.device,
+                timeout_s=bound,
+            )
+        except Exception as err:
+            raise ColocationError(
+                f"the hand-over of weight version {version} failed (launch.colocation.handover_timeout_s = {bound:g} s): "
+                f"{err}"
+            ) from err
 
     async def _each(
         self,
@@ -200,19 +204,13 @@ class ColocatedSyncer:
         """Nothing to tear down: no update group was formed."""
 
 
-def _release(tag: str) -> Callable[[EngineClient, int], Awaitable[Any]]:
-    return lambda client, _: client.release_memory_occupation([tag])
+def _release(tag: str, timeout_s: float) -> Callable[[EngineClient, int], Awaitable[Any]]:
+    return lambda client, _: client.release_memory_occupation([tag], timeout_s=timeout_s)
 
 
-def _resume(tag: str) -> Callable[[EngineClient, int], Awaitable[Any]]:
-    return lambda client, _: client.resume_memory_occupation([tag])
+def _resume(tag: str, timeout_s: float) -> Callable[[EngineClient, int], Awaitable[Any]]:
+    return lambda client, _: client.resume_memory_occupation([tag], timeout_s=timeout_s)
 
 
 def _model_info(client: EngineClient, _: int) -> Awaitable[dict]:
     return client.model_info()
-
-
-def _load(bucket: Bucket, version: int, engine_ranks: list[int]) -> Callable[[EngineClient, int], Awaitable[Any]]:
-    from megatron_rlvr.weight_sync.tensor_handover import send_bucket
-
-    return lambda client, index: send_bucket(client, bucket, tp=engine_ranks[index], weight_version=str(version))
