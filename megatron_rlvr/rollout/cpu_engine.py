@@ -14,6 +14,8 @@ its logits). Every token that goes through the model has its router top-k record
 
 Weights live in the transformers model; `weights` addresses them by HF checkpoint names with
 experts one by one (transformers 5 fuses experts in memory), which is what updates carry.
+While memory is released (rollout/memory_api.py) `released` names what is gone and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -122,6 +124,7 @@ class CpuEngine:
         self._running: list[Sequence] = []
         self._paused: str | None = None  # None | "abort" | "retract" | "in_place"
         self._stopped = False
+        self.released: set[str] = set()  # memory tags released (rollout/memory_api.py)
         self._stepping = False  # the scheduler is inside a step (prefill or decode), lock released
         self._seeds = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
@@ -176,9 +179,30 @@ class CpuEngine:
             for i in range(params.n)
         ]
         with self._cond:
+            if self.released & {"weights", "kv_cache"}:
+                raise EngineError(
+                    f"generation refused: memory released ({', '.join(sorted(self.released))}); "
+                    "call /resume_memory_occupation first"
+                )
             self._waiting.extend(seqs)
             self._cond.notify_all()
         return seqs
+
+    def mark_released(self, tags: set[str]) -> None:
+        """Records tags as released, refused (as SGLang asserts an idle server) while any
+        request is queued, running, or paused with or without its KV cache."""
+        with self._cond:
+            pending = [s for s in self._waiting + self._running if not s.future.done()]
+            if pending:
+                raise EngineError(
+                    f"release_memory_occupation refused: {len(pending)} requests are queued or running; "
+                    "the engine must be idle (let them finish or abort them)"
+                )
+            self.released |= tags
+
+    def mark_resumed(self, tags: set[str]) -> None:
+        with self._cond:
+            self.released -= tags
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Marks matching sequences aborted: waiting ones finish at once, running ones at the
