@@ -118,13 +118,13 @@ class LearnerRank:
         from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
         from megatron_rlvr.weight_sync.learner_sync import sync_weights
 
-        colocated = isinstance(self.syncer, ColocatedSyncer)
-        if colocated:
-            self.syncer.mark("after_train")
+        syncer = self.syncer
+        if isinstance(syncer, ColocatedSyncer):
+            syncer.mark("after_train")
         offloaded = self.offload.offload() if self.offload is not None else {}  # before the engines wake
-        metrics = sync_weights(self.learner, version, syncer=self.syncer, loop=self.loop, restarted=restarted)
-        if colocated:
-            metrics |= offloaded | self.syncer.take_metrics()
+        metrics = sync_weights(self.learner, version, syncer=syncer, loop=self.loop, restarted=restarted)
+        if isinstance(syncer, ColocatedSyncer):
+            metrics |= offloaded | syncer.take_metrics()
         return metrics
 
     def save(self, path: str) -> None:

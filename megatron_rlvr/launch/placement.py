@@ -325,11 +325,15 @@ class RayActors(Placement):
             if colocated:
                 self._bundle_gpus = self._probe_bundles(world, timeout_s)
                 return
-        if sglang_gpus:
+        if engine.type == "sglang" and engine.device == "cuda":
             bundles = [{"GPU": engine.tp, "CPU": 0.01}] * self.cfg.rollout.num_engines
             self._engine_group = self._ready(
                 ray.util.placement_group(bundles, strategy="PACK"), timeout_s, "the engines'"
             )
+
+    @property
+    def _engine_tp(self) -> int:
+        return getattr(self.cfg.rollout.engine, "tp", 1)  # a CPU engine is one process
 
     def _probe_bundles(self, world: int, timeout_s: float) -> list[tuple[str, int]]:
         """(node, GPU id) of every learner bundle, asked by a task placed in it, so that a
@@ -354,7 +358,7 @@ class RayActors(Placement):
         if not self._bundle_gpus:
             return None
         assert self._learner_bundles is not None
-        tp = self.cfg.rollout.engine.tp
+        tp = self._engine_tp
         shared = [self._bundle_gpus[self._learner_bundles[r]] for r in range(index * tp, (index + 1) * tp)]
         if len({node for node, _ in shared}) > 1:
             from megatron_rlvr.launch.cluster import ClusterError
@@ -411,7 +415,7 @@ class RayActors(Placement):
             }
         if role is Role.ENGINE and self._bundle_gpus:  # colocated: beside the first rank it shares
             assert self._learner_bundles is not None
-            bundle = self._learner_bundles[index * self.cfg.rollout.engine.tp]
+            bundle = self._learner_bundles[index * self._engine_tp]
             return {
                 "max_concurrency": 2,
                 "num_gpus": self.ENGINE_SHARE,
