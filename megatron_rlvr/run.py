@@ -402,7 +402,9 @@ def _start(run: Run, placement: Placement) -> None:
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
-    api_key = secrets.token_urlsafe(32)  # this run's engines answer only requests that carry it
+    # this run's engines answer only requests that carry it; hex: SGLang reads its --config file as argv,
+    # where a urlsafe key starting with "-" (1 run in 64) was taken for a flag
+    api_key = secrets.token_hex(32)
     run.engines = EngineFleet(cfg, run.model_dir, placement, api_key)
     urls = run.engines.start(run.stop)
     run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop, api_key)
