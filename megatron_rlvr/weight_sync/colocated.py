@@ -16,7 +16,7 @@ hand-over overwrites before anything generates.
 
 Every engine call is bounded (launch.colocation.*_timeout_s): an engine that does not
 release, resume or load within its bound ends the run with a ColocationError naming the
-engine and what it waited for. Colocated engines are not restarted or failed over: they
+engine and what it waited for. A colocated sync restarts no engine and retries nothing: they
 share memory with the learner, and an engine stuck half-released holds it.
 
 ColocatedSyncer has the WeightSyncer calls the learner's sync uses (connect, sync,
