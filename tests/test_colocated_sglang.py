@@ -63,28 +63,33 @@ def test_a_colocated_run_hands_sglang_its_weights_in_memory_and_passes_the_probe
     assert engine_requests(out, "/init_weights_update_group") == 0  # no broadcast path
 
 
-@pytest.mark.slow  # two SGLang runs of 8 steps: ~6 min on 2 cores
-def test_a_colocated_run_learns_as_the_separate_run_does(tmp_path):
+@pytest.mark.slow  # two SGLang runs of 8 steps: ~9 min on a loaded 2-core machine
+def test_a_colocated_run_rewards_as_the_separate_run_does_step_by_step(tmp_path):
     """SGLang on CPU samples unseeded, so the two runs draw different samples from the start and
     their rewards differ by sampling noise. Each step's mean reward is a mean of 0/1 rewards
     over reward/samples samples, so two runs of the same policy differ by a standard error of
     sqrt(p(1-p)(1/n_a + 1/n_b)) with p the pooled mean; a step more than 4 such errors apart
-    (chance < 1e-4 a step under the same policy) is a colocated run that learns differently.
-    Both runs must also learn: the last three steps' reward above the first's."""
+    (chance < 1e-4 a step under the same policy), or all steps pooled more than 4 apart, is a
+    colocated run that learns differently. (8 steps of this size do not move the reward
+    measurably in either run; the CPU engine's seeded twin in test_colocated.py shows the
+    two runs equal to the last bit.)"""
     steps = 8
     separate = train(tmp_path / "separate", steps)
     colocated = train(tmp_path / "colocated", steps, "launch.colocation.enabled=true")
-    compared = 0
+    compared = []
     for a, b in zip(separate, colocated):
         assert b["weight_sync/parity_max_gap"] <= 1e-3
         if "reward/mean" not in a or "reward/mean" not in b:  # a step trained from the buffer's surplus
             continue
-        na, nb = a["reward/samples"], b["reward/samples"]
-        p = (a["reward/mean"] * na + b["reward/mean"] * nb) / (na + nb)
-        bound = 4 * math.sqrt(max(p * (1 - p), 1e-4) * (1 / na + 1 / nb))
-        assert abs(a["reward/mean"] - b["reward/mean"]) <= bound, (a["step"], a["reward/mean"], b["reward/mean"], bound)
-        compared += 1
-    assert compared >= steps // 2
-    for run in (separate, colocated):
-        rewards = [m["reward/mean"] for m in run if "reward/mean" in m]
-        assert sum(rewards[-3:]) / 3 > rewards[0], rewards
+        compared.append((a["reward/mean"], a["reward/samples"], b["reward/mean"], b["reward/samples"]))
+        assert _apart(*compared[-1]) <= 4, (a["step"], compared[-1])
+    assert len(compared) >= steps // 2
+    totals = [sum(c[i] * c[i + 1] for c in compared) for i in (0, 2)]
+    counts = [sum(c[i + 1] for c in compared) for i in (0, 2)]
+    assert _apart(totals[0] / counts[0], counts[0], totals[1] / counts[1], counts[1]) <= 4, (totals, counts)
+
+
+def _apart(mean_a: float, n_a: int, mean_b: float, n_b: int) -> float:
+    """How many standard errors of a difference of two proportions apart the two means are."""
+    p = (mean_a * n_a + mean_b * n_b) / (n_a + n_b)
+    return abs(mean_a - mean_b) / math.sqrt(max(p * (1 - p), 1e-4) * (1 / n_a + 1 / n_b))
