@@ -209,7 +209,7 @@ class EngineClient:
             )
         except (TimeoutError, EngineUnavailable) as err:
             raise EngineUnavailable(
-                f"waited up to {bound:.0f} s for {self.base_url}{path}: {type(err).__name__}: {err}".rstrip(": ")
+                f"waited up to {bound:g} s for {self.base_url}{path}: {type(err).__name__}: {err}".rstrip(": ")
             ) from err
 
     async def close(self) -> None:

@@ -35,6 +35,8 @@ from megatron_rlvr.rollout.cohort import Cohort
 from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
 from megatron_rlvr.rollout.sampling import sample_rows
 
+GENERATION_MEMORY = frozenset({"weights", "kv_cache"})  # released tags that stop generation
+
 
 class EngineError(ValueError):
     """A request this engine refuses (HTTP 400), with a message naming the problem."""
@@ -179,7 +181,7 @@ class CpuEngine:
             for i in range(params.n)
         ]
         with self._cond:
-            if self.released & {"weights", "kv_cache"}:
+            if self.released & GENERATION_MEMORY:
                 raise EngineError(
                     f"generation refused: memory released ({', '.join(sorted(self.released))}); "
                     "call /resume_memory_occupation first"
@@ -190,9 +192,11 @@ class CpuEngine:
 
     def mark_released(self, tags: set[str]) -> None:
         """Records tags as released, refused (as SGLang asserts an idle server) while any
-        request is queued, running, or paused with or without its KV cache."""
+        request runs or holds a KV cache, or waits while generation is not paused. Requests
+        retracted by a pause wait on, admitted once everything is resumed and continued."""
         with self._cond:
-            pending = [s for s in self._waiting + self._running if not s.future.done()]
+            queued = [] if self._paused else self._waiting
+            pending = [s for s in queued + self._running if not s.future.done()]
             if pending:
                 raise EngineError(
                     f"release_memory_occupation refused: {len(pending)} requests are queued or running; "
@@ -203,6 +207,7 @@ class CpuEngine:
     def mark_resumed(self, tags: set[str]) -> None:
         with self._cond:
             self.released -= tags
+            self._cond.notify_all()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Marks matching sequences aborted: waiting ones finish at once, running ones at the
@@ -266,11 +271,11 @@ class CpuEngine:
                 self._stepping = False
                 self._cond.notify_all()  # a pause waiting for the step to end
                 cohorts = self._between_steps(cohorts)
-                while not self._stopped and not cohorts and (self._paused or not self._waiting):
+                while not self._stopped and not cohorts and (self._admission_held() or not self._waiting):
                     self._cond.wait()
                 if self._stopped:
                     return
-                room = 0 if self._paused else self._room_to_admit(sum(len(c.seqs) for c in cohorts))
+                room = 0 if self._admission_held() else self._room_to_admit(sum(len(c.seqs) for c in cohorts))
                 joiners, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._running = [s for c in cohorts for s in c.seqs] + joiners
                 self._stepping = True
@@ -285,6 +290,10 @@ class CpuEngine:
                     if not seq.future.done():
                         seq.future.set_exception(err)
                 cohorts = []
+
+    def _admission_held(self) -> bool:
+        """Nothing joins while generation is paused or its memory is released."""
+        return self._paused is not None or bool(self.released & GENERATION_MEMORY)
 
     def _room_to_admit(self, running: int) -> int:
         """How many waiting sequences join this step. Admission goes in batches: a join costs a

@@ -241,6 +241,8 @@ def create_app(
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request):
         req = await _parse(request, p.GetWeightsByNameReqInput)
+        if "weights" in engine.released:
+            raise EngineError("weights are released: resume them (/resume_memory_occupation) first")
         if req.name not in engine.weights:
             raise EngineError(f"unknown weight name {req.name!r}")
         with engine.model_lock:

@@ -35,7 +35,7 @@ from torch.multiprocessing import reductions
 
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient
-from megatron_rlvr.weight_sync.buckets import Bucket, buckets
+from megatron_rlvr.weight_sync.buckets import Bucket, bucket_layout, buckets, nbytes
 
 SETTLE_S = 1.0  # how long a bucket outlives the engines' replies (their device copy may still run)
 
@@ -52,17 +52,20 @@ class HandoverStats:
 
 def bucket_payload(bucket: Bucket) -> dict:
     """SGLang's flattened_bucket payload for one bucket (its buffer, not a copy)."""
-    offsets, cursor = [], 0
-    for shape in bucket.shapes:
-        size = torch.Size(shape).numel() * bucket.dtype.itemsize
-        offsets.append((cursor, cursor + size))
-        cursor += size
-    metadata = [
-        types.SimpleNamespace(
-            name=name, shape=torch.Size(shape), dtype=bucket.dtype, start_idx=start, end_idx=end, numel=end - start
+    offsets, _ = bucket_layout([bucket.dtype] * len(bucket.shapes), bucket.shapes)
+    metadata = []
+    for name, shape, start in zip(bucket.names, bucket.shapes, offsets):
+        size = nbytes(bucket.dtype, shape)
+        metadata.append(
+            types.SimpleNamespace(
+                name=name,
+                shape=torch.Size(shape),
+                dtype=bucket.dtype,
+                start_idx=start,
+                end_idx=start + size,
+                numel=size,
+            )
         )
-        for name, shape, (start, end) in zip(bucket.names, bucket.shapes, offsets)
-    ]
     return {"flattened_tensor": bucket.buffer, "metadata": metadata}
 
 
@@ -105,9 +108,13 @@ class _Held:
         self._held: list[tuple[float, Bucket]] = []
 
     def keep(self, bucket: Bucket) -> None:
-        self._held.append((time.monotonic() + self.settle_s, bucket))
+        """Called once every engine replied for `bucket`."""
         now = time.monotonic()
-        self._held = [(until, b) for until, b in self._held if until > now]
+        self.free_due(now)
+        self._held.append((now + self.settle_s, bucket))
+
+    def free_due(self, now: float) -> None:
+        self._held = [(until, bucket) for until, bucket in self._held if until > now]
 
     async def drain(self) -> None:
         if self._held:
