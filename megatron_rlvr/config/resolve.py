@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from megatron_rlvr.config.base import PositiveInt
 from megatron_rlvr.config.base import raise_problems as _raise
+from megatron_rlvr.config.colocation import colocation_problems
 from megatron_rlvr.config.data import (
     ArithmeticData,
     ArithmeticSource,
@@ -151,7 +152,7 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: with parallel.tp = {p.tp}, ep · etp must be "
             f">= tp (Megatron-Core leaves expert gradients partial otherwise); use etp = tp or ep >= {p.tp}"
         )
-    problems += _engine_problems(cfg)
+    problems += _engine_problems(cfg) + colocation_problems(cfg)
     if a.routing_replay == "r3" and r.return_routed_experts is False:
         problems.append(
             "rollout.return_routed_experts = false: algo.routing_replay = r3 replays the "
