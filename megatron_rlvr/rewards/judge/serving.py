@@ -35,6 +35,7 @@ class JudgeHost:
             name=f"judge engine ({self.engine.type})",
             gpus=self.judge.gpus,
             api_key=self.api_key,
+            chat=True,
         )
         self.server.start(self.judge.start_timeout_s)
         host = node_ip() if self.bind == "0.0.0.0" else self.bind
