@@ -8,13 +8,18 @@ score reading, the regex subset, the config's checks)."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import signal
+import subprocess
+import sys
 
 import httpx
 import openai
+import psutil
 import pytest
+from engine_fixtures import REPO
 from judge_fixtures import KEY, SCORE, build_judge_model, record
 
 from megatron_rlvr.buffer.buffer import Buffer
@@ -198,3 +203,39 @@ def test_the_judge_config_is_checked_in_one_line_per_problem(judge_model, tmp_pa
         assert judge_endpoint(cfg) == JudgeEndpoint("http://x/v1", "m", "secret")
     finally:
         del os.environ["RLVR_TEST_JUDGE_KEY"]
+
+
+@pytest.mark.slow
+def test_a_run_serves_its_judge_and_the_judge_scores_its_groups(judge_model, tmp_path):
+    """`megatron-rlvr train` with the arithmetic records judged: the run starts the judge's
+    engine with its key, the verifier workers score through it, and nothing is left running."""
+    out = tmp_path / "run"
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.cli",
+            "train",
+            str(REPO / "configs" / "tiny-moe-cpu.yaml"),
+            f"trainer.output_dir={out}",
+            "trainer.steps=2",
+            "buffer.batch_groups=2",
+            "rollout.n_samples_per_prompt=4",
+            "launch.mode=local",
+            "verifier.by_data_source={arithmetic: judge}",
+            f"verifier.judge.model_path={judge_model}",
+            "verifier.judge.max_tokens=16",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 2
+    for m in steps:
+        assert m["verifier/judge/requests"] == m["verifier/judge/judge_scored"] > 0
+        assert m["verifier/judge/groups_dropped"] == 0
+    left = [p for p in psutil.process_iter(["cmdline"]) if str(judge_model) in " ".join(p.info["cmdline"] or [])]
+    assert not left

@@ -49,7 +49,7 @@ class VerifierConfig(Section):
     kind: str = Field(
         "math",
         description="the verifier of records that name none and whose data_source is not in "
-        "by_data_source: math, code, ifeval, or a name in verifier.functions",
+        "by_data_source: math, code, ifeval, judge (with verifier.judge), or a name in verifier.functions",
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict,
