@@ -123,6 +123,22 @@ def test_the_key_is_required(judge_model, judge_server):
         assert "\n" not in str(err.value)
 
 
+def test_a_refused_request_stops_the_run_until_the_judge_has_answered_one_then_scores_zero(judge_model, judge_server):
+    """Refused first: a setting the judge does not take (one line); refused after answers: that
+    request's fault, here a response longer than the judge's context."""
+    too_long = "x" * 5000  # the judge model's context is 4096 characters
+    verifier = JudgeVerifier(_cfg(judge_model), _endpoint(judge_server, judge_model))
+    try:
+        with pytest.raises(
+            JudgeRefused, match="refused the request: messages: the prompt .* fills the model's context"
+        ):
+            verifier.verify_batch([too_long], record("2+2?", "4"))
+        assert verifier.verify_batch(["four"], record("2+2?", "4"))[0][1] == "judge_scored"
+        assert verifier.verify_batch([too_long, "five"], record("2+2?", "4"))[0] == (0.0, "judge_bad_request")
+    finally:
+        verifier.close()
+
+
 def test_a_killed_judge_is_retried_then_its_group_dropped_and_counted(judge_model, tmp_path):
     host = _host(judge_model, tmp_path)
     try:

@@ -127,10 +127,10 @@ class _Pattern:
             raise self.refuse("a negated class")
         chars: list[str] = []
         while self.at < len(self.text) and self.text[self.at] != "]":
-            first = self._escape()[0] if self.text[self.at] == "\\" and self._skip() else self._take()
+            first = self._class_char()
             if self.text.startswith("-", self.at) and not self.text.startswith("-]", self.at):
                 self.at += 1
-                last = self._take()
+                last = self._class_char()
                 chars += [chr(i) for i in range(ord(first), ord(last) + 1)]
             else:
                 chars.append(first)
@@ -139,14 +139,16 @@ class _Pattern:
         self.at += 1
         return list(dict.fromkeys(chars))
 
-    def _skip(self) -> bool:
-        self.at += 1
-        return True
-
-    def _take(self) -> str:
+    def _class_char(self) -> str:
+        """One character inside [...]: itself, or escaped (\\d is not taken there)."""
         c = self.text[self.at]
         self.at += 1
-        return c
+        if c != "\\":
+            return c
+        escaped = self._escape()
+        if len(escaped) != 1:
+            raise self.refuse("\\d inside a class is not supported")
+        return escaped[0]
 
 
 def regex_matches(pattern: str) -> list[str]:
@@ -196,8 +198,9 @@ def _trie(pattern: str, engine: CpuEngine) -> TokenTrie:
     tokenizer = engine.tokenizer
     if not engine.eos_ids:
         raise EngineError("regex: this model has no end-of-sequence token to end a constrained reply with")
-    seqs = [tokenizer.encode(m, add_special_tokens=False) for m in regex_matches(pattern)]
-    if any(not seq or tokenizer.decode(seq) != m for seq, m in zip(seqs, regex_matches(pattern))):
+    matches = regex_matches(pattern)
+    seqs = [tokenizer.encode(m, add_special_tokens=False) for m in matches]
+    if any(not seq or tokenizer.decode(seq) != m for seq, m in zip(seqs, matches)):
         raise EngineError(f"regex {pattern!r}: a match the tokenizer does not write back as it is (or an empty one)")
     return TokenTrie(seqs, engine.eos_ids)
 
@@ -215,6 +218,10 @@ def _refuse_unsupported(req: ChatCompletionRequest) -> None:
 
 def _sampling(req: ChatCompletionRequest, prompt_len: int, engine: CpuEngine, trie: TokenTrie | None):
     longest = engine.context_length - prompt_len
+    if longest < 1:
+        raise EngineError(
+            f"messages: the prompt ({prompt_len} tokens) fills the model's context length ({engine.context_length})"
+        )
     max_new = req.max_completion_tokens or req.max_tokens or longest
     params = SamplingParams(
         max_new_tokens=min(max_new, longest),

@@ -2,8 +2,11 @@
 /v1/chat/completions, the CPU engine's, or an external endpoint), greedy with a fixed seed,
 the reply constrained to the score format where configured; at most `concurrency` in flight;
 each retried up to `max_attempts` times when the judge is unreachable, times out or fails
-(5xx, 429), then given up (JudgeUnavailable). A refused key or request is the user's to fix:
-one line (JudgeRefused). Verdicts are cached by (template, prompt, reference, response)."""
+(5xx, 429), then given up (JudgeUnavailable). A refused key is the user's to fix: one line
+(JudgeRefused); so is a refused request before the judge has answered any (a setting it does
+not take), while one refused after that is that request's fault (longer than the judge's
+context, say): 0 with judge_bad_request. Verdicts are cached by (template, prompt, reference,
+response) in the verifier."""
 
 from __future__ import annotations
 
@@ -98,6 +101,7 @@ class JudgeClient:
         self._extra = {"regex": score_regex(cfg)} if cfg.constrained else None
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
+        self._answered = False  # a request was answered: from then on a refused one is that request's fault
 
     def _count(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -136,6 +140,8 @@ class JudgeClient:
                     "takes the run's key; an external one the key in verifier.judge.api_key_env"
                 ) from err
             except openai.BadRequestError as err:
+                if self._answered:  # it took requests before: this one's fault (too long for its context, say)
+                    return 0.0, "judge_bad_request"
                 raise JudgeRefused(
                     f"the judge at {self.endpoint.base_url} refused the request: {_message(err)}"
                     + ("; if it cannot constrain output, set verifier.judge.constrained = false" if self._extra else "")
@@ -146,8 +152,8 @@ class JudgeClient:
             except openai.APIStatusError as err:
                 last = f"HTTP {err.status_code}: {_message(err)}"
                 continue
-            choice = reply.choices[0]
-            return read_score(choice.message.content or "", self.cfg)
+            self._answered = True
+            return read_score(reply.choices[0].message.content or "", self.cfg)
         raise JudgeUnavailable(f"no answer from the judge after {self.cfg.max_attempts} tries ({last})")
 
     def close(self) -> None:
