@@ -104,7 +104,7 @@ class Evaluator:
                 return
             results[index] = (
                 rewards,
-                [len(s.response_ids) for s in group.samples],
+                [sum(s.sampled_mask()) for s in group.samples],  # an episode's tool turns are no length
                 [s.finish_reason == "length" for s in group.samples],
             )
 

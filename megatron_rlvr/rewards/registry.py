@@ -9,12 +9,12 @@ from collections import Counter, defaultdict
 
 from megatron_rlvr.config import VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
-from megatron_rlvr.rewards.code import CodeVerifier
+from megatron_rlvr.rewards.code.verifier import CodeVerifier
 from megatron_rlvr.rewards.custom import function_verifier
 from megatron_rlvr.rewards.instruction.verifier import IFEvalVerifier
 from megatron_rlvr.rewards.judge.client import JudgeEndpoint
 from megatron_rlvr.rewards.judge.verifier import JudgeVerdict, JudgeVerifier
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 from megatron_rlvr.rewards.verdict import Verdict
 
 
