@@ -19,6 +19,7 @@ import httpx
 import openai
 import psutil
 import pytest
+import torch
 from engine_fixtures import REPO
 from judge_fixtures import KEY, SCORE, build_judge_model, record
 
@@ -31,7 +32,9 @@ from megatron_rlvr.rewards.judge.serving import JudgeHost
 from megatron_rlvr.rewards.judge.templates import read_score, score_regex
 from megatron_rlvr.rewards.judge.verifier import JudgeVerifier
 from megatron_rlvr.rollout.cpu_engine import EngineError
-from megatron_rlvr.rollout.openai_api import regex_matches
+from megatron_rlvr.rollout.openai_api import TokenConstraint, TokenTrie, regex_matches
+from megatron_rlvr.rollout.protocol import SamplingParams
+from megatron_rlvr.rollout.sampling import sample_rows
 from megatron_rlvr.samples import Group, Sample
 
 
@@ -255,3 +258,25 @@ def test_a_run_serves_its_judge_and_the_judge_scores_its_groups(judge_model, tmp
         assert m["verifier/judge/groups_dropped"] == 0
     left = [p for p in psutil.process_iter(["cmdline"]) if str(judge_model) in " ".join(p.info["cmdline"] or [])]
     assert not left
+
+
+def test_the_engines_sampler_draws_only_what_a_constraint_allows_greedy_or_sampled():
+    trie = TokenTrie([[5, 6], [5, 7], [9]], end_ids={2})
+    gen = torch.Generator().manual_seed(0)
+    for seed in range(20):
+        params = [SamplingParams(temperature=t) for t in (0.0, 1.0, 1.0)]
+        for p in params[:2]:
+            p._constraint = TokenConstraint(trie)
+        written: list[list[int]] = [[], [], []]
+        for step in range(3):
+            allowed = [trie.allowed(p._constraint.node) for p in params[:2]]
+            tokens, logprobs = sample_rows(
+                torch.randn(3, 16, generator=gen), params, [seed, seed + 1, seed + 2], [step] * 3
+            )
+            for row in range(2):
+                assert tokens[row] in allowed[row] and logprobs[row] > float("-inf")
+            for row, token in enumerate(tokens):
+                written[row].append(token)
+        for row in range(2):  # a whole match, then the end (or more of a longer one)
+            reply = written[row][: written[row].index(2)] if 2 in written[row] else written[row]
+            assert reply in ([5, 6], [5, 7], [9]), reply
