@@ -24,7 +24,8 @@ from engine_fixtures import REPO
 from judge_fixtures import KEY, SCORE, build_judge_model, record
 
 from megatron_rlvr.buffer.buffer import Buffer
-from megatron_rlvr.config import CpuEngine, VerifierConfig
+from megatron_rlvr.config import CpuEngine, VerifierConfig, load_config
+from megatron_rlvr.config.base import ConfigError
 from megatron_rlvr.config.judge import JudgeConfig
 from megatron_rlvr.launch.verifiers import VerifierWorker
 from megatron_rlvr.rewards.judge.client import JudgeEndpoint, JudgeRefused, judge_endpoint
@@ -280,3 +281,10 @@ def test_the_engines_sampler_draws_only_what_a_constraint_allows_greedy_or_sampl
         for row in range(2):  # a whole match, then the end (or more of a longer one)
             reply = written[row][: written[row].index(2)] if 2 in written[row] else written[row]
             assert reply in ([5, 6], [5, 7], [9]), reply
+
+
+def test_a_judge_served_by_sglang_on_cuda_needs_gpus_of_its_own(judge_model):
+    overrides = ["rollout.engine.type=sglang", "parallel.device=cuda", f"verifier.judge.model_path={judge_model}"]
+    with pytest.raises(ConfigError) as err:
+        load_config(REPO / "configs" / "tiny-moe-cpu.yaml", overrides)
+    assert "verifier.judge.gpus: a judge served by SGLang on CUDA needs GPU ids of its own" in err.value.problems
