@@ -208,6 +208,8 @@ def test_the_judge_config_is_checked_in_one_line_per_problem(judge_model, tmp_pa
     with pytest.raises(ValueError) as err:
         JudgeConfig(base_url="http://x/v1", min_score=5, max_score=5, template=str(tmp_path / "none.txt"))
     assert str(err.value).count("verifier.judge") == 4  # model, api_key_env, the range, the template
+    with pytest.raises(ValueError, match="api_key_env: a judge served by the run uses the run's own key"):
+        JudgeConfig(model_path=str(judge_model), api_key_env="K")
     bad = tmp_path / "t.txt"
     bad.write_text("no placeholder")
     with pytest.raises(ValueError, match="no \\{response\\} placeholder"):

@@ -31,7 +31,7 @@ class JudgeConfig(Section):
         None, description="an external OpenAI-compatible endpoint instead (e.g. http://host:8000/v1)"
     )
     model: str | None = Field(
-        None, description="the model name sent with each request (external: required; served: model_path)"
+        None, description="external: the model name it serves (required); served: not given (model_path names it)"
     )
     api_key_env: str | None = Field(
         None, description="external: the environment variable that holds the endpoint's key (never the key itself)"
@@ -74,8 +74,11 @@ class JudgeConfig(Section):
                 problems.append(f"{p}.model: an external endpoint needs the model name it serves")
             if self.api_key_env is None:
                 problems.append(f"{p}.api_key_env: name the environment variable that holds the endpoint's key")
-        elif self.api_key_env is not None:
-            problems.append(f"{p}.api_key_env: a judge served by the run uses the run's own key; remove it")
+        else:
+            if self.api_key_env is not None:
+                problems.append(f"{p}.api_key_env: a judge served by the run uses the run's own key; remove it")
+            if self.model is not None:
+                problems.append(f"{p}.model: a judge served by the run is named by its model_path; remove it")
         if self.model_path is not None and not (Path(self.model_path) / "config.json").is_file():
             problems.append(f"{p}.model_path = {self.model_path!r}: no config.json there (an HF model folder)")
         if self.min_score >= self.max_score:
