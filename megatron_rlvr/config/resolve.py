@@ -262,6 +262,13 @@ def _engine_problems(cfg: Config) -> list[str]:
             "paused requests hold it, so new requests would reuse KV of the old weights; use "
             "retract or abort, or add --disable-radix-cache to rollout.engine.extra_args"
         )
+    if any(arg.split("=")[0] == "--hicache-storage-backend" for arg in engine.extra_args):
+        # SGLang 0.5.23's flush (the one that ends every sync) resets the radix tree and the host
+        # tier but not the storage tier, whose keys name the model and not its weight version
+        problems.append(
+            "rollout.engine.extra_args: --hicache-storage-backend keeps KV across the cache flush that "
+            "ends every weight sync, so requests would reuse KV of old weights; remove it"
+        )
     if engine.gpus is not None:
         if cfg.launch.mode != "local":
             problems.append("rollout.engine.gpus: only for launch.mode = local (Ray assigns GPUs to engine actors)")

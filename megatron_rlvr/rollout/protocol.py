@@ -148,3 +148,26 @@ class AbortReqInput(Strict):
 
 class UpdateWeightVersionReqInput(Strict):
     new_version: str
+
+
+MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
+
+
+class ReleaseMemoryOccupationReqInput(Strict):
+    tags: list[MemoryTag] | None = Field(None, description="None or empty: everything")
+
+
+class ResumeMemoryOccupationReqInput(Strict):
+    tags: list[MemoryTag] | None = Field(None, description="None or empty: everything released")
+
+
+class UpdateWeightsFromTensorReqInput(Strict):
+    serialized_named_tensors: list[str] = Field(
+        description="one MultiprocessingSerializer payload (ForkingPickler + base64) per engine TP rank"
+    )
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
