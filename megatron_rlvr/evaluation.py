@@ -97,7 +97,11 @@ class Evaluator:
         failed = 0
 
         async def score(index: int, record: PromptRecord, group) -> None:
+            nonlocal failed
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
+            if any(r is None for r in rewards):  # a judge that could not score it: a failed group
+                failed += 1
+                return
             results[index] = (
                 rewards,
                 [sum(s.sampled_mask()) for s in group.samples],  # an episode's tool turns are no length

@@ -249,6 +249,9 @@ def _engine_problems(cfg: Config) -> list[str]:
             "rollout.engine.device = cuda: a CPU learner (parallel.device = cpu) runs "
             "SGLang on CPU (device: cpu) or the learner on cuda"
         )
+    judge = cfg.verifier.judge
+    if engine.device == "cuda" and judge is not None and judge.model_path is not None and judge.gpus is None:
+        problems.append("verifier.judge.gpus: a judge served by SGLang on CUDA needs GPU ids of its own")
     if sync.checksum:
         problems.append(
             "weight_sync.checksum = true: SGLang has no per-bucket checksum (the CPU "
