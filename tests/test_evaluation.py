@@ -159,6 +159,7 @@ def test_evaluation_changes_nothing_a_seeded_run_trains_on(tmp_path):
     timing = {
         "time/step_s",
         "weight_sync/seconds",
+        *(f"verifier/{name}/time_s" for name in ("math", "code", "distinct")),
         "time/eval_s",
         "loop/tokens_per_s",
         "loop/engine_busy_fraction",

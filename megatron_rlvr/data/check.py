@@ -23,6 +23,7 @@ from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.files import load_source
 from megatron_rlvr.data.long_answers import long_answer_prompts
 from megatron_rlvr.data.records import LoadedPrompts
+from megatron_rlvr.data.selection import select_prompts
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,15 @@ def _by_data_source(loaded: LoadedPrompts, verifiers: VerifierConfig) -> LoadedP
     return dataclasses.replace(loaded, records=mapped)
 
 
-def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPrompts]:
+def load_all(cfg: ResolvedConfig, *, report: bool = True, select: bool = True) -> dict[str, LoadedPrompts]:
     """dotted name → records, for the training data and every eval set. With `report`,
-    skipped rows are logged: one warning per source with the count and the first."""
+    skipped rows are logged: one warning per source with the count and the first. With
+    `select`, the training data is mixed by data.mixing, less what data.difficulty_file skips."""
     loaded = {}
     for where, source in data_sources(cfg):
         loaded[where] = load_data(source, cfg.verifier, where=where, skip_bad_rows=cfg.data.skip_bad_rows)
+        if where == "data" and select:
+            loaded[where].records = select_prompts(loaded[where].records, cfg.data, cfg.data.seed)
         skipped = loaded[where].skipped
         if skipped and report:
             log.warning(
