@@ -89,13 +89,13 @@ def data_counts(loaded: dict[str, LoadedPrompts], train: EncodedPrompts) -> dict
     return counts
 
 
-def check_inputs(cfg: ResolvedConfig) -> dict[str, LoadedPrompts]:
+def check_inputs(cfg: ResolvedConfig, *, select: bool = True) -> dict[str, LoadedPrompts]:
     """Raises a UserError (one line) for a missing, empty or unreadable data file, a bad row
     (file:line, unless data.skip_bad_rows), a verifier function that is not there, a sandbox
-    this machine cannot give, or a missing wandb. Returns what load_all read."""
+    this machine cannot give, or a missing wandb. Returns what load_all read (`select`: see there)."""
     from megatron_rlvr.rewards.custom import check_function, resolve_function
 
-    loaded = load_all(cfg)
+    loaded = load_all(cfg, select=select)
     used = {r.verifier for prompts in loaded.values() for r in prompts.records}
     for name in sorted(used & set(cfg.verifier.functions)):
         check_function(name, resolve_function(cfg.verifier.functions[name], os.getcwd()))
