@@ -114,6 +114,9 @@ class Evaluator:
 
         async def score(index: int, record: PromptRecord, group) -> None:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
+            if any(r is None for r in rewards):  # a judge that could not score it: a failed group
+                failed[domain_of(record)] = failed.get(domain_of(record), 0) + 1
+                return
             results[index] = (
                 rewards,
                 [len(s.response_ids) for s in group.samples],

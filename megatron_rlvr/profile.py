@@ -125,8 +125,9 @@ def sample_prompts(records: list[PromptRecord], count: int | None, seed: int) ->
 
 
 async def _score_all(cfg: ResolvedConfig, encoded, manager, score, decode, sampling, stop: StopSignals) -> tuple:
-    """(difficulty rows in prompt order, failed prompt ids): each prompt sampled once, at most
-    64 groups in flight; a group that does not come back in time is an error."""
+    """(difficulty rows in prompt order, failed prompt ids: the engines or the judge could not
+    give the group): each prompt sampled once, at most 64 groups in flight; a group that does
+    not come back in time is an error."""
     from megatron_rlvr.rollout.manager import PromptItem
 
     queue: asyncio.Queue = asyncio.Queue()
@@ -152,6 +153,9 @@ async def _score_all(cfg: ResolvedConfig, encoded, manager, score, decode, sampl
             failed.append(records[index].prompt_id)
             continue
         rewards = await score([decode(s.response_ids) for s in group.samples], records[index], count=False)
+        if any(r is None for r in rewards):  # a judge that could not score the group
+            failed.append(records[index].prompt_id)
+            continue
         rows[index] = difficulty(records[index], rewards, cfg.buffer.zero_std_eps)
     return [rows[i] for i in sorted(rows)], failed
 
@@ -239,6 +243,6 @@ def main(args: argparse.Namespace, stop: StopSignals) -> int:
     write_difficulty(out, rows)
     print(table(summarize(rows), n, cfg.buffer.batch_groups))
     if failed:
-        print(f"{len(failed)} prompts failed on the engines and are not counted (first: {failed[0]})")
+        print(f"{len(failed)} prompts failed (engines or judge) and are not counted (first: {failed[0]})")
     print(f"megatron-rlvr profile: {len(rows)} prompts profiled; difficulty file: {out}", file=sys.stderr)
     return 0

@@ -412,7 +412,7 @@ def _start(run: Run, placement: Placement) -> None:
     run.buffer = placement.place(
         Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps, max_staleness=cfg.buffer.max_staleness
     ).proxy()
-    run.verifiers = VerifierPool(cfg, placement)
+    run.verifiers = VerifierPool(cfg, placement, api_key)  # a judge the run serves takes the run's key
     skip = cfg.buffer.skip_prompts
     history = PromptHistory(
         enabled=skip.enabled,

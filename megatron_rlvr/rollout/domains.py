@@ -6,6 +6,7 @@ much of its generation carried no signal."""
 from __future__ import annotations
 
 from collections import Counter, defaultdict
+from collections.abc import Sequence
 
 
 class DomainStats:
@@ -17,8 +18,9 @@ class DomainStats:
         self._groups: Counter[str] = Counter()
         self._zero_std: Counter[str] = Counter()
 
-    def add(self, domain: str, rewards: list[float], verdict: str) -> None:
-        self._rewards[domain].extend(rewards)
+    def add(self, domain: str, rewards: Sequence[float | None], verdict: str) -> None:
+        """A group filed with the buffer's verdict; None rewards (a judge's unscored group) are left out."""
+        self._rewards[domain].extend(r for r in rewards if r is not None)
         if verdict in ("kept", "zero_std"):  # scored groups; failed and aborted ones say nothing of the domain
             self._groups[domain] += 1
             self._zero_std[domain] += verdict == "zero_std"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class Strict(BaseModel):
@@ -28,6 +28,8 @@ class SamplingParams(Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    # not a field: the CPU engine's chat endpoint constrains a reply (rollout/openai_api.TokenConstraint)
+    _constraint: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:

@@ -60,7 +60,7 @@ class NothingToLearn(RuntimeError):
     """A step's generation bound was spent without the useful groups one batch needs."""
 
 
-Score = Callable[[list[str], PromptRecord], Awaitable[list[float]]]  # responses, their record → rewards
+Score = Callable[[list[str], PromptRecord], Awaitable[list[float | None]]]  # responses, their record → rewards
 
 _RESAMPLE_SEEDS = 2**61  # a resample's seeds start here: scheduled groups' seeds (seed + submission + index) never do
 
@@ -272,7 +272,7 @@ class ActiveSampler:
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
-            self.rewards.extend(rewards)
+            self.rewards.extend(r for r in rewards if r is not None)  # None: unscored (a judge's), dropped
         async with self._filing:
             verdict = await self.buffer.put(group)
             self._scoring.remove(group.group_id)

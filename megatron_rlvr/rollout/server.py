@@ -28,6 +28,7 @@ from pydantic import BaseModel, ValidationError
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import ENGINE_API_KEY_ENV
 from megatron_rlvr.rollout.cpu_engine import CpuEngine, EngineError, Sequence
+from megatron_rlvr.rollout.openai_api import add_chat_endpoint
 from megatron_rlvr.rollout.routed_experts import encode_routed_experts
 from megatron_rlvr.rollout.weight_receiver import dtype_from_name, receive_bucket, receive_tensors
 from megatron_rlvr.weight_sync.transport import open_group
@@ -251,6 +252,7 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_ke
         updates.session["version"] = req.weight_version or updates.session["version"]
         return {"success": True, "message": f"updated {len(req.names)} tensors"}
 
+    add_chat_endpoint(app, engine, _parse)  # /v1/chat/completions, as SGLang's OpenAI-compatible API
     return app
 
 
