@@ -195,7 +195,7 @@ def profile(cfg: ResolvedConfig, *, prompts: int | None, n: int, stop: StopSigna
         engines = EngineFleet(cfg, model_dir, placement, api_key)
         stack.callback(engines.stop)
         urls = engines.start(stop)
-        verifiers = VerifierPool(cfg, placement)
+        verifiers = VerifierPool(cfg, placement, api_key)  # a judge the run serves takes its key
         stack.callback(verifiers.close)
 
         async def sample() -> tuple:

@@ -1,6 +1,6 @@
-"""Mixed-domain runs: one data set mixing math and instruction-following records (each record's
-verifier is its domain), mixed by weight per domain with the run's seed, with each domain's
-numbers every step and in evaluation."""
+"""Mixed-domain runs: one data set mixing math, instruction-following and judged records (each
+record's verifier is its domain), mixed by weight per domain with the run's seed, with each
+domain's numbers every step and in evaluation."""
 
 import json
 import subprocess
@@ -9,6 +9,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from judge_fixtures import build_judge_model
 
 from megatron_rlvr.config import ConfigError, load_config
 from megatron_rlvr.data.check import load_all
@@ -21,9 +22,9 @@ REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
 
 
-def mixed_file(tmp_path: Path) -> Path:
+def mixed_file(tmp_path: Path, judged: bool = False) -> Path:
     """12 sums scored by math, 4 by ifeval (the answer must contain the sum's digit: the tiny
-    model's vocabulary has no letters, and its rewards vary)."""
+    model's vocabulary has no letters, and its rewards vary); `judged`: 4 more by the judge."""
     rows = [
         {"id": f"m{a}{b}", "prompt": [{"role": "user", "content": f"{a}+{b}="}], "answer": str(a + b)}
         for a in range(4)
@@ -38,6 +39,16 @@ def mixed_file(tmp_path: Path) -> Path:
         }
         for a in range(4)
     ]
+    if judged:
+        rows += [
+            {
+                "id": f"j{a}",
+                "prompt": [{"role": "user", "content": f"{a}*2="}],
+                "verifier": "judge",
+                "answer": str(2 * a),
+            }
+            for a in range(4)
+        ]
     path = tmp_path / "mixed.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     return path
@@ -93,7 +104,8 @@ def test_a_set_may_take_a_domains_name_only_when_it_holds_that_domain_alone():
 
 
 def test_a_mixed_run_shows_each_domain_every_step(tmp_path):
-    path = mixed_file(tmp_path)
+    path = mixed_file(tmp_path, judged=True)
+    judge = build_judge_model(tmp_path / "judge")  # a tiny random judge the run serves on the CPU engine
     out = tmp_path / "run"
     done = subprocess.run(
         [
@@ -113,6 +125,8 @@ def test_a_mixed_run_shows_each_domain_every_step(tmp_path):
             f"data.path={path}",
             "data.mixing.math=1",
             "data.mixing.ifeval=1",
+            "data.mixing.judge=1",
+            f"verifier.judge.model_path={judge}",
             "eval.sets.held.type=file",
             f"eval.sets.held.path={path}",
             "eval.n_samples=2",
@@ -127,14 +141,14 @@ def test_a_mixed_run_shows_each_domain_every_step(tmp_path):
     steps = [m for m in lines if m["step"] > 0]
     assert [m["step"] for m in steps] == [1, 2, 3]
     for m in steps:
-        for domain in ("math", "ifeval"):
+        for domain in ("math", "ifeval", "judge"):
             assert m[f"reward/{domain}/samples"] > 0 and 0 <= m[f"reward/{domain}/mean"] <= 1, (m["step"], domain)
             assert 0 <= m[f"reward/{domain}/zero_std_share"] <= 1
             assert m[f"verifier/{domain}/failures"] == 0 and m[f"verifier/{domain}/time_s"] > 0
-        assert m["reward/math/samples"] + m["reward/ifeval/samples"] == m["reward/samples"]
+        assert sum(m[f"reward/{d}/samples"] for d in ("math", "ifeval", "judge")) == m["reward/samples"]
     for m in (lines[0], steps[-1]):  # evaluated at step 0 and at the end, per set and per domain
-        assert m["eval/held/prompts"] == 16
-        assert m["eval/math/prompts"] == 12 and m["eval/ifeval/prompts"] == 4
-        assert 0 <= m["eval/math/pass@1"] <= 1 and 0 <= m["eval/ifeval/pass@1"] <= 1
-        share = (12 * m["eval/math/pass@1"] + 4 * m["eval/ifeval/pass@1"]) / 16
+        assert m["eval/held/prompts"] == 20
+        assert (m["eval/math/prompts"], m["eval/ifeval/prompts"], m["eval/judge/prompts"]) == (12, 4, 4)
+        assert all(0 <= m[f"eval/{d}/pass@1"] <= 1 for d in ("math", "ifeval", "judge"))
+        share = (12 * m["eval/math/pass@1"] + 4 * m["eval/ifeval/pass@1"] + 4 * m["eval/judge/pass@1"]) / 20
         assert m["eval/held/pass@1"] == pytest.approx(share)
