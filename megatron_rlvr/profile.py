@@ -83,14 +83,47 @@ class DomainProfile:
         return (1 / high, 1 / share if share else math.inf, 1 / low if low else math.inf)
 
 
-def summarize(rows: list[Difficulty]) -> list[DomainProfile]:
-    """A profile per domain, in name order, and one of all prompts when there are several domains."""
+@dataclass(frozen=True)
+class MixProfile:
+    """The domains as data.mixing draws them: each share the weighted mean of the domains'
+    shares, and its bounds the weighted means of theirs (each domain's 95% interval at once:
+    wider than one 95% interval of the mix)."""
+
+    parts: list[tuple[DomainProfile, float]]  # (a domain's profile, its weight)
+    domain: str = "as mixed"
+
+    @property
+    def prompts(self) -> int:
+        return sum(p.prompts for p, _ in self.parts)
+
+    def _mean(self, values: list[float]) -> float:
+        return sum(v * w for v, (_, w) in zip(values, self.parts)) / sum(w for _, w in self.parts)
+
+    def share(self, outcome: str) -> float:
+        return self._mean([p.share(outcome) for p, _ in self.parts])
+
+    def groups_per_useful(self) -> tuple[float, float, float]:
+        bounds = [wilson(p.counts.get("mixed", 0), p.prompts) for p, _ in self.parts]
+        low, share, high = (
+            self._mean([lo for lo, _ in bounds]),
+            self.share("mixed"),
+            self._mean([hi for _, hi in bounds]),
+        )
+        return (1 / high, 1 / share if share else math.inf, 1 / low if low else math.inf)
+
+
+def summarize(rows: list[Difficulty], mixing: dict[str, float] | None = None) -> list[DomainProfile | MixProfile]:
+    """A profile per domain, in name order; with several domains, one of all prompts profiled
+    and, with data.mixing, one of the domains as the run draws them."""
     by_domain: dict[str, Counter[str]] = {}
     for row in rows:
         by_domain.setdefault(row.domain, Counter())[row.outcome] += 1
-    found = [DomainProfile(d, dict(by_domain[d])) for d in sorted(by_domain)]
-    if len(found) > 1:
+    domains = [DomainProfile(d, dict(by_domain[d])) for d in sorted(by_domain)]
+    found: list[DomainProfile | MixProfile] = list(domains)
+    if len(domains) > 1:
         found.append(DomainProfile("all", dict(Counter(row.outcome for row in rows))))
+        if mixing:
+            found.append(MixProfile([(p, mixing[p.domain]) for p in domains if p.domain in mixing]))
     return found
 
 
@@ -98,7 +131,7 @@ def _groups(value: float) -> str:
     return "∞" if math.isinf(value) else f"{value:.1f}"
 
 
-def table(profiles: list[DomainProfile], n: int, batch_groups: int) -> str:
+def table(profiles: list[DomainProfile | MixProfile], n: int, batch_groups: int) -> str:
     """The profile as a Markdown table (the docs show it as printed)."""
     lines = [
         f"| domain | prompts | all wrong | all right | mixed | groups per useful group (95%) | "
@@ -241,7 +274,7 @@ def main(args: argparse.Namespace, stop: StopSignals) -> int:
     rows, failed = profile(cfg, prompts=args.prompts or None, n=n, stop=stop)
     out = Path(args.out or Path(cfg.trainer.output_dir) / "difficulty.jsonl")
     write_difficulty(out, rows)
-    print(table(summarize(rows), n, cfg.buffer.batch_groups))
+    print(table(summarize(rows, cfg.data.mixing), n, cfg.buffer.batch_groups))
     if failed:
         print(f"{len(failed)} prompts failed (engines or judge) and are not counted (first: {failed[0]})")
     print(f"megatron-rlvr profile: {len(rows)} prompts profiled; difficulty file: {out}", file=sys.stderr)

@@ -130,6 +130,10 @@ def test_one_domain_has_no_all_row_and_several_have_one():
     assert [p.domain for p in summarize(rows)] == ["math"]
     rows.append(Difficulty("c", "ifeval", 4, 1.0, 1.0, "all_right"))
     assert [(p.domain, p.prompts) for p in summarize(rows)] == [("ifeval", 1), ("math", 2), ("all", 3)]
+    mixed = summarize(rows, {"math": 1.0, "ifeval": 3.0})[-1]  # drawn 1:3, whatever the prompts' counts
+    assert mixed.domain == "as mixed" and mixed.prompts == 3
+    assert [mixed.share(o) for o in ("all_wrong", "all_right", "mixed")] == [0.125, 0.75, 0.125]
+    assert mixed.groups_per_useful()[1] == 8.0
 
 
 def test_a_bad_difficulty_file_or_one_that_skips_everything_is_a_one_line_error(tmp_path):
