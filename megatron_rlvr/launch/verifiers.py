@@ -67,7 +67,7 @@ class VerifierPool:
         ]
         self._turn = itertools.cycle(self.workers)
 
-    async def __call__(self, responses: list[str], record: PromptRecord, *, count: bool = True) -> list[float]:
+    async def __call__(self, responses: list[str], record: PromptRecord, *, count: bool = True) -> list[float | None]:
         return await next(self._turn).call_async("rewards", responses, record, count)
 
     def take_metrics(self) -> dict[str, float]:

@@ -264,7 +264,7 @@ class ActiveSampler:
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
             raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
-        rewards: list[float] = []
+        rewards: list[float | None] = []
         if group.samples and group.error is None:
             rewards = await self.score(
                 [self.decode(s.response_ids) for s in group.samples], self._by_id[group.prompt_id]
@@ -272,13 +272,15 @@ class ActiveSampler:
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
                 self.tokens += len(sample.response_ids)
-            self.rewards.extend(r for r in rewards if r is not None)  # None: unscored (a judge's), dropped
+            self.rewards.extend(r for r in rewards if r is not None)  # None: unscored (a judge's); the buffer drops it
         async with self._filing:
             verdict = await self.buffer.put(group)
             self._scoring.remove(group.group_id)
             self._prompt_of.pop(group.group_id, None)
             if verdict in ("kept", "zero_std"):
-                self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
+                self.history.record(
+                    group.prompt_id, [r for r in rewards if r is not None], zero_std=verdict == "zero_std"
+                )
             self._recent.append(verdict == "kept")
             self.domains.add(domain_of(self._by_id[group.prompt_id]), rewards, verdict)
             if group.group_id in self._resamples:

@@ -156,6 +156,6 @@ class JudgeClient:
 
 
 def _message(err: openai.APIError) -> str:
-    body = err.body if isinstance(err.body, dict) else {}
-    inner = body.get("error") if isinstance(body.get("error"), dict) else body
-    return str(inner.get("message") or err.message).splitlines()[0][:300]
+    body: dict = err.body if isinstance(err.body, dict) else {}
+    inner: dict = body["error"] if isinstance(body.get("error"), dict) else body
+    return (str(inner.get("message") or err.message).splitlines() or [""])[0][:300]
