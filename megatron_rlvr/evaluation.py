@@ -25,7 +25,6 @@ from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.data.selection import domain_of
-from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 
@@ -182,22 +181,8 @@ def build_evaluator(
     """The run's evaluator, or None without eval sets. loaded: dotted name → LoadedPrompts."""
     if not cfg.eval.sets:
         return None
-    check_set_names({name: loaded[f"eval.sets.{name}"].records for name in cfg.eval.sets})
     sets = [
         EvalSet(name, renderer.encode(loaded[f"eval.sets.{name}"].records, what=f"eval.sets.{name}"))
         for name in cfg.eval.sets
     ]
     return Evaluator(cfg, sets, manager, score, decode, stop_token_ids)
-
-
-def check_set_names(sets: dict[str, list[PromptRecord]]) -> None:
-    """A set may take a domain's name (eval/math/...) only when it holds that domain's every
-    eval record and no other: else the set's figures and the domain's would share one name."""
-    domains = {name: {domain_of(r) for r in records} for name, records in sets.items()}
-    for name, own in domains.items():
-        holders = [other for other, found in domains.items() if name in found]
-        if holders and (own != {name} or holders != [name]):
-            raise UserError(
-                f"eval.sets.{name}: a set may take the name of the domain {name!r} only when it holds every eval "
-                f"record of that domain and no other (eval/{name}/... holds the domain's figures): rename the set"
-            )

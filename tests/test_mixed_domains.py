@@ -14,8 +14,7 @@ from judge_fixtures import build_judge_model
 from megatron_rlvr.config import ConfigError, load_config
 from megatron_rlvr.data.check import load_all
 from megatron_rlvr.data.records import DataError, PromptRecord
-from megatron_rlvr.errors import UserError
-from megatron_rlvr.evaluation import check_set_names
+from megatron_rlvr.data.selection import check_set_names
 from megatron_rlvr.rollout.domains import DomainStats
 
 REPO = Path(__file__).resolve().parents[1]
@@ -97,9 +96,9 @@ def test_a_set_may_take_a_domains_name_only_when_it_holds_that_domain_alone():
         return [PromptRecord(f"{d}{i}", "1+1=", "2", d) for i, d in enumerate(domains)]
 
     check_set_names({"math": records("math"), "if": records("ifeval")})
-    with pytest.raises(UserError, match="eval.sets.math: a set may take the name of the domain 'math'"):
+    with pytest.raises(DataError, match="eval.sets.math: a set may take the name of the domain 'math'"):
         check_set_names({"math": records("math", "ifeval")})
-    with pytest.raises(UserError, match="eval.sets.math"):
+    with pytest.raises(DataError, match="eval.sets.math"):
         check_set_names({"math": records("math"), "held": records("math")})
 
 

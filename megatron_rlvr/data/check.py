@@ -23,7 +23,7 @@ from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.files import load_source
 from megatron_rlvr.data.long_answers import long_answer_prompts
 from megatron_rlvr.data.records import LoadedPrompts
-from megatron_rlvr.data.selection import select_prompts
+from megatron_rlvr.data.selection import check_set_names, select_prompts
 
 log = logging.getLogger(__name__)
 
@@ -96,6 +96,7 @@ def check_inputs(cfg: ResolvedConfig, *, select: bool = True) -> dict[str, Loade
     from megatron_rlvr.rewards.custom import check_function, resolve_function
 
     loaded = load_all(cfg, select=select)
+    check_set_names({name: loaded[f"eval.sets.{name}"].records for name in cfg.eval.sets})
     used = {r.verifier for prompts in loaded.values() for r in prompts.records}
     for name in sorted(used & set(cfg.verifier.functions)):
         check_function(name, resolve_function(cfg.verifier.functions[name], os.getcwd()))

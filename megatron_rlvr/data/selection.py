@@ -137,3 +137,16 @@ def select_prompts(records: list[PromptRecord], data: PromptSelection, seed: int
     if data.mixing:
         records = mix_by_domain(records, data.mixing, seed)
     return records
+
+
+def check_set_names(sets: dict[str, list[PromptRecord]]) -> None:
+    """A set may take a domain's name (eval/math/...) only when it holds that domain's every
+    eval record and no other: else the set's figures and the domain's would share one name."""
+    domains = {name: {domain_of(r) for r in records} for name, records in sets.items()}
+    for name, own in domains.items():
+        holders = [other for other, found in domains.items() if name in found]
+        if holders and (own != {name} or holders != [name]):
+            raise DataError(
+                f"eval.sets.{name}: a set may take the name of the domain {name!r} only when it holds every eval "
+                f"record of that domain and no other (eval/{name}/... holds the domain's figures): rename the set"
+            )
