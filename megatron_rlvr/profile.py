@@ -28,7 +28,7 @@ from pathlib import Path
 from megatron_rlvr.config import ResolvedConfig, load_config
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.data.selection import OUTCOMES, Difficulty, domain_of, write_difficulty
-from megatron_rlvr.stopping import StopSignals
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 Z95 = 1.959964  # the normal quantile of a two-sided 95% interval
 
@@ -157,6 +157,20 @@ def sample_prompts(records: list[PromptRecord], count: int | None, seed: int) ->
     return [r for i, r in enumerate(unique) if i in chosen]
 
 
+async def _next_group(queue: asyncio.Queue, wait_s: float, stop: StopSignals):
+    """The next finished group; a stop request is seen within a second, and no group in
+    wait_s means the engines are stuck (an error saying so)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while loop.time() < deadline:
+        stop.check("while profiling")
+        try:
+            return await asyncio.wait_for(queue.get(), min(1.0, max(deadline - loop.time(), 0.0)))
+        except TimeoutError:
+            continue
+    raise TimeoutError(f"profile: no group came back from the engines in {wait_s:.0f} s")
+
+
 async def _score_all(cfg: ResolvedConfig, encoded, manager, score, decode, sampling, stop: StopSignals) -> tuple:
     """(difficulty rows in prompt order, failed prompt ids: the engines or the judge could not
     give the group): each prompt sampled once, at most 64 groups in flight; a group that does
@@ -176,12 +190,8 @@ async def _score_all(cfg: ResolvedConfig, encoded, manager, score, decode, sampl
             item = PromptItem(records[nxt].prompt_id, encoded.encode(records[nxt]), seed=seed)
             submitted[manager.submit(item, sampling=sampling, to=queue)] = nxt
             nxt += 1
-        try:
-            group = await asyncio.wait_for(queue.get(), wait_s)
-        except TimeoutError:
-            raise TimeoutError(f"profile: no group came back from the engines in {wait_s:.0f} s") from None
+        group = await _next_group(queue, wait_s, stop)
         index = submitted.pop(group.group_id)
-        stop.check("while profiling")
         if group.error is not None or group.aborted or not group.samples:
             failed.append(records[index].prompt_id)
             continue
@@ -271,7 +281,11 @@ def main(args: argparse.Namespace, stop: StopSignals) -> int:
     n = args.n or cfg.rollout.n_samples_per_prompt
     if n < 2 or args.prompts < 0:
         raise UserError(f"profile: --n = {n} must be at least 2 (one answer has no spread) and --prompts >= 0")
-    rows, failed = profile(cfg, prompts=args.prompts or None, n=n, stop=stop)
+    try:
+        rows, failed = profile(cfg, prompts=args.prompts or None, n=n, stop=stop)
+    except StopRequested as err:
+        print(f"megatron-rlvr profile: {err}; every component was stopped, nothing was written", file=sys.stderr)
+        return 130
     out = Path(args.out or Path(cfg.trainer.output_dir) / "difficulty.jsonl")
     write_difficulty(out, rows)
     print(table(summarize(rows, cfg.data.mixing), n, cfg.buffer.batch_groups))
