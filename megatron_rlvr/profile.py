@@ -157,7 +157,7 @@ def sample_prompts(records: list[PromptRecord], count: int | None, seed: int) ->
     return [r for i, r in enumerate(unique) if i in chosen]
 
 
-async def _next_group(queue: asyncio.Queue, wait_s: float, stop: StopSignals):
+async def wait_for_group(queue: asyncio.Queue, wait_s: float, stop: StopSignals):
     """The next finished group; a stop request is seen within a second, and no group in
     wait_s means the engines are stuck (an error saying so)."""
     loop = asyncio.get_running_loop()
@@ -190,7 +190,7 @@ async def _score_all(cfg: ResolvedConfig, encoded, manager, score, decode, sampl
             item = PromptItem(records[nxt].prompt_id, encoded.encode(records[nxt]), seed=seed)
             submitted[manager.submit(item, sampling=sampling, to=queue)] = nxt
             nxt += 1
-        group = await _next_group(queue, wait_s, stop)
+        group = await wait_for_group(queue, wait_s, stop)
         index = submitted.pop(group.group_id)
         if group.error is not None or group.aborted or not group.samples:
             failed.append(records[index].prompt_id)

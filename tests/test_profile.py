@@ -2,6 +2,7 @@
 the run's own engines and verifiers (a verifier whose outcomes are known gives the exact
 shares), the generation they imply, the difficulty file, and the skip that reads it."""
 
+import asyncio
 import json
 import math
 import subprocess
@@ -14,7 +15,8 @@ from megatron_rlvr.config import load_config
 from megatron_rlvr.data.check import load_all
 from megatron_rlvr.data.records import DataError
 from megatron_rlvr.data.selection import Difficulty, read_difficulty, write_difficulty
-from megatron_rlvr.profile import DomainProfile, outcome_of, summarize, table, wilson
+from megatron_rlvr.profile import DomainProfile, outcome_of, summarize, table, wait_for_group, wilson
+from megatron_rlvr.stopping import StopRequested, StopSignals
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-moe-cpu.yaml"
@@ -151,3 +153,15 @@ def test_a_bad_difficulty_file_or_one_that_skips_everything_is_a_one_line_error(
     cfg = load_config(TINY, ["data.num_prompts=8", f"data.difficulty_file={every}"])
     with pytest.raises(DataError, match="skips every prompt of the data"):
         load_all(cfg)
+
+
+def test_waiting_for_groups_ends_on_a_stop_request_or_at_its_bound():
+    async def wait(stop: StopSignals, wait_s: float):
+        return await wait_for_group(asyncio.Queue(), wait_s, stop)
+
+    stop = StopSignals()
+    stop.request("SIGTERM")
+    with pytest.raises(StopRequested, match="stopped by SIGTERM while profiling"):
+        asyncio.run(wait(stop, 3600.0))  # seen at once, not after the hour
+    with pytest.raises(TimeoutError, match="no group came back from the engines in 0 s"):
+        asyncio.run(wait(StopSignals(), 0.2))
