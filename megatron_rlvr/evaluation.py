@@ -6,7 +6,10 @@ seeds are never touched, so a seeded run trains on the same groups with evaluati
 Per set: pass@1 and pass@k (the unbiased estimator of Chen et al. 2021, a sample counts as
 correct when its reward is at least 1), avg@n (mean reward over all n samples of every prompt),
 mean response length in tokens and the fraction of responses cut at max_new_tokens. A group the
-engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many."""
+engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many.
+The same figures per domain (a record's verifier: math, code, ifeval, ...) over every set,
+eval/<domain>/..., so a mixed set shows each domain's pass@1; a set named as a domain must hold
+that domain alone (its figures are then the domain's)."""
 
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ from dataclasses import dataclass
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.records import PromptRecord
+from megatron_rlvr.data.selection import domain_of
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 
@@ -83,24 +87,34 @@ class Evaluator:
     async def evaluate(self) -> dict[str, float]:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
+        by_domain: dict[str, tuple[list, int]] = {}  # domain → (scored groups, failed groups) over every set
         for eval_set in self.sets:
-            metrics.update(await self._evaluate_set(eval_set))
+            results, failed = await self._evaluate_set(eval_set)
+            metrics.update(self._summary(eval_set.name, [r for _, r in results], sum(failed.values())))
+            for domain in sorted({d for d, _ in results} | set(failed)):
+                scored, lost = by_domain.get(domain, ([], 0))
+                by_domain[domain] = (scored + [r for d, r in results if d == domain], lost + failed.get(domain, 0))
+        names = {eval_set.name for eval_set in self.sets}
+        for domain, (scored, lost) in by_domain.items():
+            if domain not in names:  # a set named so holds this domain alone: its figures are already there
+                metrics.update(self._summary(domain, scored, lost))
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics
 
-    async def _evaluate_set(self, eval_set: EvalSet) -> dict[str, float]:
+    async def _evaluate_set(self, eval_set: EvalSet) -> tuple[list[tuple[str, tuple]], dict[str, int]]:
+        """Its scored groups as (domain, (rewards, lengths, cut)) in prompt order, and its failed
+        groups per domain."""
         records = eval_set.prompts.records[: self.cfg.max_prompts]
         queue: asyncio.Queue = asyncio.Queue()
         submitted: dict[str, int] = {}
         results: dict[int, tuple[list[float], list[int], list[bool]]] = {}
         scoring: list[asyncio.Task] = []
-        failed = 0
+        failed: dict[str, int] = {}
 
         async def score(index: int, record: PromptRecord, group) -> None:
-            nonlocal failed
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
             if any(r is None for r in rewards):  # a judge that could not score it: a failed group
-                failed += 1
+                failed[domain_of(record)] = failed.get(domain_of(record), 0) + 1
                 return
             results[index] = (
                 rewards,
@@ -126,11 +140,12 @@ class Evaluator:
                 ) from None
             index = submitted.pop(group.group_id)
             if group.error is not None or group.aborted or not group.samples:
-                failed += 1
+                domain = domain_of(records[index])
+                failed[domain] = failed.get(domain, 0) + 1
                 continue
             scoring.append(asyncio.create_task(score(index, records[index], group)))
         await asyncio.gather(*scoring)
-        return self._summary(eval_set.name, [results[i] for i in sorted(results)], failed)
+        return [(domain_of(records[i]), results[i]) for i in sorted(results)], failed
 
     def _summary(self, name: str, results: list, failed: int) -> dict[str, float]:
         return summarize(f"eval/{name}", results, failed, self.cfg.n_samples, self.ks)

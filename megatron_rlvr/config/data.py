@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
 from megatron_rlvr.config.judge import JudgeConfig
+from megatron_rlvr.config.selection import PromptSelection
 
 # ----------------------------------------------------------------------------- verifier
 # Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in
@@ -243,15 +244,15 @@ class PromptFormat(Section):
     )
 
 
-class ArithmeticData(PromptFormat, ArithmeticSource):
+class ArithmeticData(PromptSelection, PromptFormat, ArithmeticSource):
     """The built-in arithmetic task as training data."""
 
 
-class LongAnswerData(PromptFormat, LongAnswerSource):
+class LongAnswerData(PromptSelection, PromptFormat, LongAnswerSource):
     """The built-in long-answer task as training data."""
 
 
-class FileData(PromptFormat, FileSource):
+class FileData(PromptSelection, PromptFormat, FileSource):
     """Prompt files as training data."""
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import os
 import threading
+import time
 
 from megatron_rlvr.config import ResolvedConfig, VerifierConfig
 from megatron_rlvr.data.records import PromptRecord
@@ -27,10 +28,11 @@ class VerifierWorker:
     def rewards(self, responses: list[str], record: PromptRecord, count: bool = True) -> list[float | None]:
         """count=False (evaluation) leaves the training metrics alone. None: a group the judge
         could not score (dropped by the buffer as unscored)."""
+        started = time.perf_counter()
         verdicts = self.verifiers.verify(responses, record)
         if count:
             with self._lock:
-                self._stats.add(record.verifier, verdicts)
+                self._stats.add(record.verifier, verdicts, time.perf_counter() - started)
         return [reward for reward, _ in verdicts]
 
     def take_stats(self) -> VerdictStats:

@@ -15,7 +15,7 @@ from megatron_rlvr.rewards.instruction.verifier import IFEvalVerifier
 from megatron_rlvr.rewards.judge.client import JudgeEndpoint
 from megatron_rlvr.rewards.judge.verifier import JudgeVerdict, JudgeVerifier
 from megatron_rlvr.rewards.math.verifier import MathVerifier
-from megatron_rlvr.rewards.verdict import Verdict
+from megatron_rlvr.rewards.verdict import FAILURES, Verdict
 
 
 class Verifiers:
@@ -63,19 +63,22 @@ class Verifiers:
 
 class VerdictStats:
     """Reason counts overall (`verifier/<reason>`) and per verifier (`verifier/<name>/<reason>`,
-    `verifier/<name>/reward_mean`, `verifier/<name>/samples`), and the judge's request counts
-    (`verifier/judge/requests`, `/retries`, `/cache_hits`, `/groups_dropped`) since the last take."""
+    `verifier/<name>/reward_mean`, `verifier/<name>/samples`, `verifier/<name>/failures`: the
+    reasons in verdict.FAILURES, `verifier/<name>/time_s`: seconds its calls took), and the judge's
+    request counts (`verifier/judge/requests`, `/retries`, `/cache_hits`, `/groups_dropped`) since the last take."""
 
     def __init__(self):
         self.reasons: Counter[str] = Counter()
         self.by_verifier: dict[str, Counter[str]] = defaultdict(Counter)
         self.reward_sum: defaultdict[str, float] = defaultdict(float)
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         self.counters: Counter[str] = Counter()  # "judge/<count>"
 
-    def add(self, verifier: str, verdicts: list[Verdict] | list[JudgeVerdict]) -> None:
+    def add(self, verifier: str, verdicts: list[Verdict] | list[JudgeVerdict], seconds: float = 0.0) -> None:
         self.reasons.update(reason for _, reason in verdicts)
         self.by_verifier[verifier].update(reason for _, reason in verdicts)
         self.reward_sum[verifier] += sum(reward or 0.0 for reward, _ in verdicts)
+        self.seconds[verifier] += seconds
 
     def merge(self, other: VerdictStats) -> None:
         self.reasons.update(other.reasons)
@@ -83,6 +86,8 @@ class VerdictStats:
             self.by_verifier[name].update(counts)
         for name, total in other.reward_sum.items():
             self.reward_sum[name] += total
+        for name, seconds in other.seconds.items():
+            self.seconds[name] += seconds
         self.counters.update(other.counters)
 
     def metrics(self) -> dict[str, float]:
@@ -91,6 +96,8 @@ class VerdictStats:
             samples = sum(counts.values())
             out[f"verifier/{name}/samples"] = samples
             out[f"verifier/{name}/reward_mean"] = self.reward_sum[name] / samples
+            out[f"verifier/{name}/failures"] = sum(n for reason, n in counts.items() if reason in FAILURES)
+            out[f"verifier/{name}/time_s"] = self.seconds[name]
             out.update({f"verifier/{name}/{reason}": n for reason, n in sorted(counts.items())})
         out.update({f"verifier/{name}": n for name, n in sorted(self.counters.items())})
         return out

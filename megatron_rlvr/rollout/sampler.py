@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_rlvr.data import PromptRecord
+from megatron_rlvr.data.selection import domain_of
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.rollout.domains import DomainStats
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group
@@ -152,6 +154,7 @@ class ActiveSampler:
         self._stopping = False
         self._keep_busy_task: asyncio.Task | None = None  # in flight: generating between fills
         self._keep_going = False
+        self.domains = DomainStats([domain_of(r) for r in prompts])  # per-domain rewards and zero-std shares
 
     def useful_fraction(self) -> float:
         """Kept / generated over the latest groups (the policy changes, so the fraction does),
@@ -279,6 +282,7 @@ class ActiveSampler:
                     group.prompt_id, [r for r in rewards if r is not None], zero_std=verdict == "zero_std"
                 )
             self._recent.append(verdict == "kept")
+            self.domains.add(domain_of(self._by_id[group.prompt_id]), rewards, verdict)
             if group.group_id in self._resamples:
                 self._resamples.discard(group.group_id)
                 self._resample_counts["resampled_useful"] += verdict == "kept"
@@ -337,6 +341,7 @@ class ActiveSampler:
             "buffer/short_batches": self.short_batches,
             **({"rollout/group_size": sum(sizes) / len(sizes)} if sizes else {}),
             **(resamples if self.group_sizes and self.group_sizes.resample else {}),
+            **self.domains.take(),
         }
 
     def take_rewards(self) -> tuple[list[float], int]:
