@@ -12,9 +12,10 @@ strategy, the only one an unrelated process can open). The metadata entries are
 `types.SimpleNamespace`s, which SGLang's receiver reads by attribute and its unpickler allows,
 so the learner needs no SGLang import.
 
-SGLang answers before its device copy of a CUDA payload has finished, so a bucket is kept
+SGLang answers before its device copy of a CUDA payload has finished, so a CUDA bucket is kept
 alive (never freed, so never reused by the allocator) until the engines' replies AND
-`settle_s` after them.
+`settle_s` after them. A CPU payload has been copied when the engine replies (no device
+stream runs behind the reply), so on CPU nothing is held after it.
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ async def hand_over(
     bucket_bytes: int,
     weight_version: str | None = None,
     device: torch.device | str = "cpu",
-    settle_s: float = SETTLE_S,
+    settle_s: float | None = None,
     timeout_s: float | None = None,
 ) -> HandoverStats:
     """Hands every (name, tensor) to every engine, given as (client, its TP size): one weight
@@ -140,6 +141,8 @@ async def hand_over(
     Each call is bounded by timeout_s (EngineClient's update_timeout_s by default); a refusal
     or a timeout raises with the engine named, and the sessions are left open for the caller's
     error path."""
+    if settle_s is None:  # SETTLE_S on CUDA; a CPU copy is done when the engine replies
+        settle_s = SETTLE_S if torch.device(device).type == "cuda" else 0.0
     stats, held, started = HandoverStats(), _Held(settle_s), time.monotonic()
     await asyncio.gather(*(client.begin_weight_update() for client, _ in engines))
     for bucket in buckets(named, bucket_bytes, device):
