@@ -240,7 +240,7 @@ class RolloutManager:
                 responses, engine = await self._generate(request, group_id, engine)
                 return responses[0]
 
-            for attempt in range(1, agent.cfg.max_episode_attempts + 1):
+            for attempt in range(1, agent.max_episode_attempts + 1):
                 try:
                     episode = agent.episode(
                         generate,
@@ -257,11 +257,11 @@ class RolloutManager:
                         index=index,
                     )
                 except ToolInfraError as err:
-                    self.stats["tool_retried"] += attempt < agent.cfg.max_episode_attempts
+                    self.stats["tool_retried"] += attempt < agent.max_episode_attempts
                     log.warning(
                         "group %s episode %d: tool machinery failed (try %d): %s", group_id, index, attempt, err
                     )
-                    if attempt == agent.cfg.max_episode_attempts:
+                    if attempt == agent.max_episode_attempts:
                         self.stats["tool_failed"] += 1
                         raise GroupFailed(f"the tools failed {attempt} times: {err}") from None
                     continue
