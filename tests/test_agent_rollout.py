@@ -124,3 +124,35 @@ def test_the_agent_section_is_checked():
         AgentConfig(tools=[])
     with pytest.raises(ValueError, match="tool_call_format"):
         AgentConfig(tool_call_format="xml")
+
+
+def test_evaluation_runs_episodes_and_scores_their_final_turns(scripted):
+    import numpy as np
+
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.data.chat import EncodedPrompts
+    from megatron_rlvr.evaluation import EvalSet, Evaluator
+
+    model_dir, engine = scripted
+    cfg = load_config(None, ["eval.n_samples=2", "eval.max_new_tokens=100"])
+    records = [PromptRecord(f"q{i}", QUESTION, "408") for i in range(2)]
+    prompts = EncodedPrompts(records, {r.prompt_id: np.asarray([1], dtype=np.int32) for r in records})
+    seen = []
+
+    async def score(responses, record, count=False):
+        seen.extend(responses)
+        return [1.0 if "12*34" in r else 0.0 for r in responses]
+
+    async def run():
+        manager, client, tokenizer = _manager(model_dir, engine, max_turns=2)
+        evaluator = Evaluator(
+            cfg, [EvalSet("held", prompts)], manager, score, tokenizer.decode, None, messages=lambda r: list(r.prompt)
+        )
+        metrics = await evaluator.evaluate()
+        await client.close()
+        return metrics
+
+    metrics = asyncio.run(run())
+    assert set(seen) == {f"<tool_call>{CALL}</tool_call>"} and len(seen) == 4  # 2 prompts × 2 episodes
+    assert metrics["eval/held/pass@1"] == 1.0 and metrics["eval/held/failed"] == 0
+    assert metrics["eval/held/response_length"] == 8  # sampled tokens of two turns, tool turn excluded
