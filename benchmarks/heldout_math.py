@@ -22,7 +22,7 @@ from pathlib import Path
 
 from math_verify import parse, verify
 
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 
 DEFAULT_CASES = Path(__file__).resolve().parents[1] / "tests" / "data" / "math_heldout_blind_r6.jsonl"
 FIELDS = {"id", "gold", "response", "label", "category"}

@@ -25,7 +25,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 
 DATA = Path(__file__).resolve().parents[1] / "tests" / "data"
 

@@ -1,4 +1,4 @@
-"""`megatron-rlvr` command line: train | sft | convert | submit | plan | compare-replay."""
+"""`megatron-rlvr` command line: train | sft | profile | convert | submit | plan | compare-replay."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import TYPE_CHECKING
 
+from megatron_rlvr import profile
 from megatron_rlvr.compare import command as compare_replay
 from megatron_rlvr.config import load_config, to_yaml
 from megatron_rlvr.convert import commands as convert
@@ -34,6 +35,7 @@ def _parser() -> argparse.ArgumentParser:
     sft.add_argument("config", help="YAML config with an sft section, e.g. configs/long-answers-sft-cpu.yaml")
     sft.add_argument("overrides", nargs="*", help="dotted overrides: trainer.steps=50")
     sft.set_defaults(takes_overrides=True)
+    profile.add_parser(sub)
     convert.add_parser(sub)
     slurm.add_submit_parser(sub)
     plan_command.add_parser(sub)
@@ -122,6 +124,8 @@ def _run(args: argparse.Namespace) -> int:
         return _train(args, stop)
     if args.command == "sft":
         return _sft(args, stop)
+    if args.command == "profile":
+        return profile.main(args, stop)
     if args.command == "compare-replay":
         return compare_replay.main(args, stop)
     return convert.main(args, stop)

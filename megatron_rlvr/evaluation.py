@@ -8,7 +8,10 @@ correct when its reward is at least 1), avg@n (mean reward over all n samples of
 mean response length in tokens (an episode's sampled tokens: tool turns excluded) and the fraction
 of responses cut at max_new_tokens. With an agent, every prompt is an episode whose final model
 turn is scored. A group the
-engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many."""
+engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many.
+The same figures per domain (a record's verifier: math, code, ifeval, ...) over every set,
+eval/<domain>/..., so a mixed set shows each domain's pass@1; a set named as a domain must hold
+that domain alone (its figures are then the domain's)."""
 
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from dataclasses import dataclass
 from megatron_rlvr.config import ResolvedConfig
 from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.records import PromptRecord
+from megatron_rlvr.data.selection import domain_of
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.sampler import answer_text
@@ -89,27 +93,41 @@ class Evaluator:
     async def evaluate(self) -> dict[str, float]:
         started = time.perf_counter()
         metrics: dict[str, float] = {}
+        by_domain: dict[str, tuple[list, int]] = {}  # domain → (scored groups, failed groups) over every set
         for eval_set in self.sets:
-            metrics.update(await self._evaluate_set(eval_set))
+            results, failed = await self._evaluate_set(eval_set)
+            metrics.update(self._summary(eval_set.name, [r for _, r in results], sum(failed.values())))
+            for domain in sorted({d for d, _ in results} | set(failed)):
+                scored, lost = by_domain.get(domain, ([], 0))
+                by_domain[domain] = (scored + [r for d, r in results if d == domain], lost + failed.get(domain, 0))
+        names = {eval_set.name for eval_set in self.sets}
+        for domain, (scored, lost) in by_domain.items():
+            if domain not in names:  # a set named so holds this domain alone: its figures are already there
+                metrics.update(self._summary(domain, scored, lost))
         metrics["time/eval_s"] = time.perf_counter() - started
         return metrics
 
-    async def _evaluate_set(self, eval_set: EvalSet) -> dict[str, float]:
+    async def _evaluate_set(self, eval_set: EvalSet) -> tuple[list[tuple[str, tuple]], dict[str, int]]:
+        """Its scored groups as (domain, (rewards, lengths, cut)) in prompt order, and its failed
+        groups per domain."""
         records = eval_set.prompts.records[: self.cfg.max_prompts]
         queue: asyncio.Queue = asyncio.Queue()
         submitted: dict[str, int] = {}
         results: dict[int, tuple[list[float], list[int], list[bool]]] = {}
         scoring: list[asyncio.Task] = []
-        failed = 0
+        failed: dict[str, int] = {}
 
         async def score(index: int, record: PromptRecord, group) -> None:
             answers = [answer_text(s, self.decode) for s in group.samples]
             rewards = await self.score(answers, record, count=False)
+            if any(r is None for r in rewards):  # a judge that could not score it: a failed group
+                failed[domain_of(record)] = failed.get(domain_of(record), 0) + 1
+                return
             if self.manager.agent is not None:
                 rewards = [self.manager.agent.reward(r, s) for r, s in zip(rewards, group.samples)]
             results[index] = (
                 rewards,
-                [s.sampled_tokens() for s in group.samples],
+                [s.sampled_tokens() for s in group.samples],  # an episode's tool turns are no length
                 [s.finish_reason == "length" for s in group.samples],
             )
 
@@ -133,11 +151,12 @@ class Evaluator:
                 ) from None
             index = submitted.pop(group.group_id)
             if group.error is not None or group.aborted or not group.samples:
-                failed += 1
+                domain = domain_of(records[index])
+                failed[domain] = failed.get(domain, 0) + 1
                 continue
             scoring.append(asyncio.create_task(score(index, records[index], group)))
         await asyncio.gather(*scoring)
-        return self._summary(eval_set.name, [results[i] for i in sorted(results)], failed)
+        return [(domain_of(records[i]), results[i]) for i in sorted(results)], failed
 
     def _summary(self, name: str, results: list, failed: int) -> dict[str, float]:
         return summarize(f"eval/{name}", results, failed, self.cfg.n_samples, self.ks)

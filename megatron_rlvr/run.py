@@ -166,6 +166,11 @@ class Run:
         fill = self.sampler.fill(self.cfg.buffer.batch_groups, policy_version, drain=not overlap)
         self.pending = self.rollout.submit(fill)
 
+    def sleep_engines(self) -> None:
+        """launch.colocation: the engines release their memory for the learner (else nothing)."""
+        if self.cfg.launch.colocation.enabled:
+            self.learners.sleep_engines()
+
     def evaluate(self, step: int) -> dict:
         """Eval metrics when evaluation is due after `step` (0: before training), else {}."""
         if self.evaluator is None or not self.evaluator.due(step):
@@ -181,6 +186,16 @@ class Run:
         from megatron_rlvr.weight_sync.syncer import EnginesLost
 
         for attempt in range(1, SYNC_ATTEMPTS + 1):
+            if self.cfg.launch.colocation.enabled:  # the engines may be asleep: no health, no retry
+                try:
+                    metrics = self.learners.sync_weights(
+                        self.version, self.rollout.run(self.manager.waiting_for_weights())
+                    )
+                except Exception as err:
+                    if not isinstance(lost := original(err), ParityError):
+                        raise
+                    self.parity_failure, metrics = lost, lost.metrics
+                break
             # a first stop request lets the trained step finish (sync, metrics, checkpoint state)
             self.stop.result(
                 self.rollout.submit(self.manager.restart_unanswering()), "engines to answer /health", urgent_only=True
@@ -388,7 +403,9 @@ def _start(run: Run, placement: Placement) -> None:
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
     agent = _agent(run, renderer)  # so do tools that cannot load and a template episodes cannot use
-    api_key = secrets.token_urlsafe(32)  # this run's engines answer only requests that carry it
+    # this run's engines answer only requests that carry it; hex: SGLang reads its --config file as argv,
+    # where a urlsafe key starting with "-" (1 run in 64) was taken for a flag
+    api_key = secrets.token_hex(32)
     run.engines = EngineFleet(cfg, run.model_dir, placement, api_key)
     urls = run.engines.start(run.stop)
     run.learners, run.version = LearnerGroup.start(cfg, run.model_dir, urls, placement, run.stop, api_key)
@@ -417,7 +434,7 @@ def _start(run: Run, placement: Placement) -> None:
     run.buffer = placement.place(
         Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps, max_staleness=cfg.buffer.max_staleness
     ).proxy()
-    run.verifiers = VerifierPool(cfg, placement)
+    run.verifiers = VerifierPool(cfg, placement, api_key)  # a judge the run serves takes the run's key
     skip = cfg.buffer.skip_prompts
     history = PromptHistory(
         enabled=skip.enabled,

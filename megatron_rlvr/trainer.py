@@ -66,6 +66,7 @@ def train(cfg: ResolvedConfig, stop: StopSignals | None = None) -> Outcome:
                 )
                 staleness = staleness_metrics(batch, run.version)
                 learner_started = time.perf_counter()
+                run.sleep_engines()  # colocated: the engines make room for the learner
                 bypass = cfg.algo.rollout_correction.bypass_mode  # the engine's logprobs are the old ones
                 batch.old_logprobs = batch.rollout_logprobs if bypass else run.learners.compute_logprobs(batch)
                 learner_metrics = run.learners.train_step(batch)

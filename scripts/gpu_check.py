@@ -10,6 +10,8 @@ Steps, in order; the first that fails stops the check, named, with a non-zero ex
   sglang-gpu   real SGLang on the GPU (tp 1): engine API, weight sync, R3, repeated prompt across a sync
   learner-gpu  every other `gpu` test (the vocab-sharded logprob/entropy closed form, and any new one)
   train        a short `megatron-rlvr train`: learner and SGLang share GPU 0, R3, bf16, gloo weight sync
+  colocated    the same run colocated (launch.colocation): SGLang releases its memory while the learner
+               trains, weights handed over by CUDA IPC; GPU memory per phase and hand-over seconds
   submit       `submit --dry-run` of the two Qwen3 recipes
 It writes REPORT.md and REPORT.json (every step's command, status, time and figures) into --out,
 by default a fresh runs/gpu-check/<UTC time> per check; the train step's run folder is fresh too,
@@ -71,6 +73,13 @@ TRAIN = [
     "weight_sync.backend=gloo",  # one GPU cannot hold two NCCL ranks ("Duplicate GPU detected")
     "algo.routing_replay=r3",
     "trainer.steps=5",
+]
+# colocated: the engine on the learner's GPU by placement (rollout.engine.gpus left out), its weights
+# and KV cache released for every learner phase, the weights handed over by update_weights_from_tensor
+COLOCATED = [
+    *(arg for arg in TRAIN if not arg.startswith(("rollout.engine.gpus=", "weight_sync.backend=", "trainer.steps="))),
+    "launch.colocation.enabled=true",
+    "trainer.steps=3",
 ]
 SGLANG_GPU_TESTS = "tests/test_engine_api.py"
 
@@ -142,6 +151,13 @@ def plan(out: Path, stamp: str) -> list[Step]:
             kind="train",
         ),
         Step(
+            "colocated",
+            "megatron-rlvr train colocated: SGLang asleep while the learner trains, CUDA IPC hand-over, 3 steps",
+            [*CLI, "train", *COLOCATED, f"trainer.output_dir={out / f'colocated-run-{stamp}'}"],
+            kind="train",
+            timeout_s=900,
+        ),
+        Step(
             "submit",
             "submit --dry-run of both Qwen3 recipes",
             [
@@ -187,8 +203,8 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
             "skipped": sum(t["outcome"] == "skipped" for t in tests.values()),
         }
     if step.kind == "train":
-        runs = sorted(out.glob("train-run-*/metrics.jsonl"))  # the step's run folder is train-run-<stamp>
-        path = runs[-1] if runs else out / "train-run" / "metrics.jsonl"
+        runs = sorted(out.glob(f"{step.name}-run-*/metrics.jsonl"))  # the step's run folder is <name>-run-<stamp>
+        path = runs[-1] if runs else out / f"{step.name}-run" / "metrics.jsonl"
         rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
         keys = (
             "step",
@@ -203,7 +219,8 @@ def figures(step: Step, out: Path, stdout: str) -> dict:
             "time/step_s",
             "rollout/engine_kind",
         )
-        return {"steps": [{k: row.get(k) for k in keys} for row in rows]}
+        colocate = lambda row: {k: v for k, v in row.items() if k.startswith("colocate/")}  # noqa: E731
+        return {"steps": [{**{k: row.get(k) for k in keys}, **colocate(row)} for row in rows]}
     return {}
 
 

@@ -1,5 +1,5 @@
 """Every regular expression of the math verifier (each module-level pattern in
-megatron_rlvr/rewards/math_*.py) run over long adversarial texts, by search and by full match:
+megatron_rlvr/rewards/math/*.py) run over long adversarial texts, by search and by full match:
 unclosed brackets, long runs of letters, digits, blanks and separators, nested braces. Each text
 is read at SIZE and at 4 * SIZE characters; a pattern whose processor time grows more than
 twice as fast as the text (a linear one grows ×4, a quadratic one ×16) is named, and the run

@@ -7,8 +7,8 @@ import json
 import psutil
 import pytest
 
-from megatron_rlvr.rewards.code import CodeTestError, CodeVerifier, parse_tests
-from megatron_rlvr.rewards.code_values import NotAValue, decode_value, encode_value
+from megatron_rlvr.rewards.code.values import NotAValue, decode_value, encode_value
+from megatron_rlvr.rewards.code.verifier import CodeTestError, CodeVerifier, parse_tests
 from megatron_rlvr.rewards.isolation import check_available
 
 MBPP = {"test_list": ["assert add(2, 3) == 5", "assert add(10, -4) == 6"], "test_imports": []}

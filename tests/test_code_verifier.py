@@ -10,7 +10,7 @@ import tempfile
 import psutil
 import pytest
 
-from megatron_rlvr.rewards.code import CodeTestError, CodeVerifier, extract_code, parse_tests
+from megatron_rlvr.rewards.code.verifier import CodeTestError, CodeVerifier, extract_code, parse_tests
 from megatron_rlvr.rewards.isolation import check_available, seccomp_program
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 from megatron_rlvr.rewards.runner import run_jobs

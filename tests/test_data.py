@@ -14,7 +14,7 @@ import pytest
 
 from megatron_rlvr.config import ArithmeticData, FileData, VerifierConfig, load_config
 from megatron_rlvr.data import DataError, arithmetic_prompts, build_arithmetic_tokenizer, check_inputs, load_data
-from megatron_rlvr.rewards.math import verify_math
+from megatron_rlvr.rewards.math.verifier import verify_math
 
 REPO = Path(__file__).resolve().parents[1]
 TINY = REPO / "configs" / "tiny-moe-cpu.yaml"

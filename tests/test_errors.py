@@ -22,12 +22,12 @@ REPO = Path(__file__).resolve().parents[1]
 # Exceptions that never reach the user, and what catches them.
 INTERNAL = {
     "BadRow": "data.files turns it into a DataError naming file:line, or counts the row as skipped",
-    "_NoOrder": "math_compare: a comparison without an order; the verifier's verdict says why",
-    "Undecided": "math_eval: numeric evaluation could not decide; sympy is asked next",
+    "_NoOrder": "math.compare: a comparison without an order; the verifier's verdict says why",
+    "Undecided": "math.evaluate: numeric evaluation could not decide; sympy is asked next",
     "NotAValue": "rewards.runner: a solution's return that is not plain data scores 0 with reason not_a_value",
     "ConstraintError": "data.files turns a record's unreadable ifeval instructions into a DataError naming file:line",
     "ValueFailed": "rewards.runner/code: a value whose call raised in the sandbox decides the verdict where it is read",
-    "AnswerError": "math_text: no final answer found; the verdict's reason counts it",
+    "AnswerError": "math.text: no final answer found; the verdict's reason counts it",
     "EngineRequestError": "the rollout manager retries or moves the group, counted in metrics",
     "EngineUnavailable": "the rollout manager restarts the engine or moves the group",
     "EngineError": "the CPU engine server's HTTP 400 answer to a bad request",

@@ -58,6 +58,7 @@ STEPS = [
     "sglang-gpu",
     "learner-gpu",
     "train",
+    "colocated",
     "submit",
 ]
 
@@ -122,7 +123,7 @@ def test_gpu_check_smoke_writes_the_report_and_stops_at_the_first_failure(tmp_pa
     report = json.loads((tmp_path / "bad" / "REPORT.json").read_text())
     status = {s["name"]: s["status"] for s in report["steps"]}
     assert report["verdict"] == "FAILED at step sglang-gpu" and status["sglang-gpu"] == "FAILED (exit 7)"
-    assert status["train"] == status["submit"] == "not run"
+    assert status["train"] == status["colocated"] == status["submit"] == "not run"
     assert "injected failure" in (tmp_path / "bad" / "REPORT.md").read_text()
 
 

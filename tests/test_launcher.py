@@ -158,6 +158,10 @@ SGLANG = ["rollout.engine.type=sglang", "rollout.engine.device=cpu"]
     [
         (SGLANG + ["weight_sync.checksum=true"], "weight_sync.checksum = true: SGLang has no per-bucket checksum"),
         (SGLANG + ["weight_sync.pause_mode=in_place"], "weight_sync.pause_mode = in_place: SGLang cannot flush"),
+        (
+            SGLANG + ["rollout.engine.extra_args=[--hicache-storage-backend=file]"],
+            "rollout.engine.extra_args: --hicache-storage-backend keeps KV across the cache flush",
+        ),
         (SGLANG + ["weight_sync.backend=nccl"], "weight_sync.backend = nccl: NCCL needs parallel.device = cuda"),
         (SGLANG + ["rollout.engine.tp=2", "rollout.engine.ep=4"], "rollout.engine.ep = 4: must divide"),
         (SGLANG + ["rollout.engine.gpus=[0]"], "rollout.engine.gpus: only for launch.mode = local"),

@@ -17,7 +17,7 @@ from megatron_rlvr.data.long_answers import (
     problem_split,
 )
 from megatron_rlvr.rewards.long_answers import count_prompt, count_solution, digits_of, solution, worked_solution
-from megatron_rlvr.rewards.math import verify_math
+from megatron_rlvr.rewards.math.verifier import verify_math
 
 # the demo's problem (configs/long-answers*.yaml)
 ODD_COUNT = {"problem": "odd_count", "max_steps": 32, "tail_exponent": 1.0}

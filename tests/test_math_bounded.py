@@ -16,7 +16,7 @@ from megatron_rlvr.config import Config
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.launch.placement import InProcess
 from megatron_rlvr.launch.verifiers import VerifierPool
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 
 REPO = Path(__file__).resolve().parents[1]
 # sympy must evaluate sin of a number with ~10^8 digits: minutes, unless its worker is killed
@@ -99,7 +99,7 @@ def test_a_worker_computing_a_runaway_verdict_ends_when_its_parent_is_killed(tmp
 
     script = (
         "import sys, threading\n"
-        "from megatron_rlvr.rewards.math import MathVerifier\n"
+        "from megatron_rlvr.rewards.math.verifier import MathVerifier\n"
         "v = MathVerifier(timeout_s=600.0, num_workers=1)\n"
         f"threading.Thread(target=v.verify, args=({RUNAWAY!r}, '0'), daemon=True).start()\n"
         "print('started', flush=True)\n"
@@ -110,7 +110,9 @@ def test_a_worker_computing_a_runaway_verdict_ends_when_its_parent_is_killed(tmp
         assert parent.stdout is not None and parent.stdout.readline().strip() == "started"
         workers: list = []
         for _ in range(600):  # the worker: started, then handed the runaway pair
-            workers = [c for c in psutil.Process(parent.pid).children() if "rewards.sandbox" in " ".join(c.cmdline())]
+            workers = [
+                c for c in psutil.Process(parent.pid).children() if "rewards.math.workers" in " ".join(c.cmdline())
+            ]
             if workers and workers[0].cpu_times().user > 1.0:
                 break
             threading.Event().wait(0.1)
@@ -122,5 +124,5 @@ def test_a_worker_computing_a_runaway_verdict_ends_when_its_parent_is_killed(tmp
     finally:
         parent.kill()
         for child in psutil.Process().children(recursive=True):
-            if "rewards.sandbox" in " ".join(child.cmdline()):
+            if "rewards.math.workers" in " ".join(child.cmdline()):
                 child.kill()

@@ -13,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from megatron_rlvr.rewards import VERIFIERS
-from megatron_rlvr.rewards.math import MathVerifier, verify_math, verify_math_batch, verify_math_detailed
-from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
-from megatron_rlvr.rewards.math_latex import clean
-from megatron_rlvr.rewards.math_parse import parse_answer
-from megatron_rlvr.rewards.math_text import AnswerError, box_at, box_starts, extract_answers
-from megatron_rlvr.rewards.math_units import signature
-from megatron_rlvr.rewards.math_verdict import prepare
+from megatron_rlvr.rewards.math.answer import after_label, drop_approximations, foreign_number
+from megatron_rlvr.rewards.math.latex import clean
+from megatron_rlvr.rewards.math.parse import parse_answer
+from megatron_rlvr.rewards.math.text import AnswerError, box_at, box_starts, extract_answers
+from megatron_rlvr.rewards.math.units import signature
+from megatron_rlvr.rewards.math.verdict import prepare
+from megatron_rlvr.rewards.math.verifier import MathVerifier, verify_math, verify_math_batch, verify_math_detailed
 
 DATA = Path(__file__).parent / "data"
 CASES = [json.loads(line) for path in sorted(DATA.glob("math_cases*.jsonl")) for line in path.open()]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from megatron_rlvr.rewards.math import MathVerifier
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 
 DATA = Path(__file__).parent / "data"
 SETS = {

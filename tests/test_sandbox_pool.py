@@ -7,7 +7,7 @@ import subprocess
 import sys
 import time
 
-from megatron_rlvr.rewards.sandbox import SandboxPool, _Worker
+from megatron_rlvr.rewards.math.workers import SandboxPool, _Worker
 
 NEVER_READY = "import time; time.sleep(600)"
 # closes its end of the pipe the task comes through, then says ready: the parent's write of a

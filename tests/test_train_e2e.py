@@ -88,6 +88,7 @@ def test_a_resumed_run_logs_the_same_metrics_as_an_uninterrupted_one(tmp_path):
     timing = (
         "time/step_s",
         "weight_sync/seconds",
+        "verifier/math/time_s",
         "loop/tokens_per_s",
         "loop/engine_busy_fraction",
         "loop/learner_busy_fraction",

@@ -104,22 +104,29 @@ def test_each_record_goes_to_its_verifier_with_reasoning_stripped(user_module, m
 
 def test_metrics_count_reasons_overall_and_per_verifier():
     stats = VerdictStats()
-    stats.add("math", [(1.0, "exact"), (0.0, "timeout")])
+    stats.add("math", [(1.0, "exact"), (0.0, "timeout")], 0.5)
     other = VerdictStats()
-    other.add("code", [(0.0, "timeout"), (1.0, "passed"), (1.0, "passed")])
+    other.add("code", [(0.0, "timeout"), (1.0, "passed"), (1.0, "passed")], 0.25)
+    other.add("math", [(0.0, "wrong_answer")], 0.125)
     stats.merge(other)
     assert stats.metrics() == {
         "verifier/exact": 1,
         "verifier/passed": 2,
         "verifier/timeout": 2,
+        "verifier/wrong_answer": 1,
         "verifier/code/samples": 3,
         "verifier/code/reward_mean": pytest.approx(2 / 3),
+        "verifier/code/failures": 1,  # a timeout is no verdict on the answer; a wrong answer is one
+        "verifier/code/time_s": 0.25,
         "verifier/code/passed": 2,
         "verifier/code/timeout": 1,
-        "verifier/math/samples": 2,
-        "verifier/math/reward_mean": 0.5,
+        "verifier/math/samples": 3,
+        "verifier/math/reward_mean": pytest.approx(1 / 3),
+        "verifier/math/failures": 1,
+        "verifier/math/time_s": 0.625,
         "verifier/math/exact": 1,
         "verifier/math/timeout": 1,
+        "verifier/math/wrong_answer": 1,
     }
 
 
@@ -139,10 +146,13 @@ def test_the_local_pool_scores_and_evaluation_does_not_count(tmp_path, monkeypat
         record = PromptRecord("u", "q", None, "yes")
         assert asyncio.run(pool(["a", "b"], record)) == [1.0, 1.0]
         assert asyncio.run(pool(["c"], record, count=False)) == [1.0]
-        assert pool.take_metrics() == {
+        metrics = pool.take_metrics()
+        assert metrics.pop("verifier/yes/time_s") > 0  # the counted call's time in the worker
+        assert metrics == {
             "verifier/scored": 2,
             "verifier/yes/samples": 2,
             "verifier/yes/reward_mean": 1.0,
+            "verifier/yes/failures": 0,
             "verifier/yes/scored": 2,
         }
         assert pool.take_metrics() == {}

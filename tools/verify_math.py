@@ -19,10 +19,10 @@ import json
 import sys
 from pathlib import Path
 
-from megatron_rlvr.rewards.math import MathVerifier
-from megatron_rlvr.rewards.math_latex import clean
-from megatron_rlvr.rewards.math_parse import parse_answer
-from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
+from megatron_rlvr.rewards.math.latex import clean
+from megatron_rlvr.rewards.math.parse import parse_answer
+from megatron_rlvr.rewards.math.text import AnswerError, extract_answers, gold_answer
+from megatron_rlvr.rewards.math.verifier import MathVerifier
 
 
 def _read(value: str | None, path: str | None) -> str:

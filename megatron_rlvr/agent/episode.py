@@ -26,6 +26,7 @@ import numpy as np
 
 from megatron_rlvr.agent.parsers import Parser
 from megatron_rlvr.agent.render import TurnRenderer
+from megatron_rlvr.agent.routing import episode_routing
 from megatron_rlvr.agent.tools import ToolPool, ToolResult
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.samples import EpisodeStats, Sample
@@ -153,8 +154,8 @@ class Episode:
         routed = None
         if self.decode_routing is not None:
             routed = self.decode_routing(last.meta_info, f"{group_id}/{index}")
-            if routed is not None:  # the last turn's reply covers the sequence through its input
-                routed = routed[: len(prompt) + len(response) - 1]
+            if routed is not None:  # R3 across turns: agent/routing.py
+                routed = episode_routing(routed, len(prompt) + len(response), f"{group_id}/{index}")
         return Sample(
             prompt_id=prompt_id,
             group_id=group_id,

@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
+from megatron_rlvr.config.judge import JudgeConfig
+from megatron_rlvr.config.selection import PromptSelection
 
 # ----------------------------------------------------------------------------- verifier
 # Verifiers every run has (megatron_rlvr.rewards.registry implements them); user functions in
@@ -48,7 +50,7 @@ class VerifierConfig(Section):
     kind: str = Field(
         "math",
         description="the verifier of records that name none and whose data_source is not in "
-        "by_data_source: math, code, ifeval, or a name in verifier.functions",
+        "by_data_source: math, code, ifeval, judge (with verifier.judge), or a name in verifier.functions",
     )
     by_data_source: dict[str, str] = Field(
         default_factory=dict,
@@ -69,19 +71,20 @@ class VerifierConfig(Section):
     ifeval: IFEvalVerifierConfig = Field(
         default_factory=IFEvalVerifierConfig, description="the instruction-following verifier"
     )
+    judge: JudgeConfig | None = Field(None, description="the LLM judge (verifier `judge`); None: no judge")
 
     @model_validator(mode="after")
     def _check(self) -> VerifierConfig:
         problems = []
         for name, spec in self.functions.items():
-            if name in BUILTIN_VERIFIERS:
+            if name in (*BUILTIN_VERIFIERS, "judge"):
                 problems.append(f"verifier.functions.{name}: {name!r} is a built-in verifier (pick another name)")
             module, sep, function = spec.rpartition(":")
             if not sep or not module or not function.isidentifier():
                 problems.append(
                     f"verifier.functions.{name} = {spec!r}: expected 'module:function' or 'path/to/file.py:function'"
                 )
-        names = (*BUILTIN_VERIFIERS, *self.functions)
+        names = self.names
         allowed = f"(known: {', '.join(names)})"
         if self.kind not in names:
             problems.append(f"verifier.kind = {self.kind!r}: unknown verifier {allowed}")
@@ -94,7 +97,7 @@ class VerifierConfig(Section):
     @property
     def names(self) -> tuple[str, ...]:
         """Every verifier a record may name."""
-        return (*BUILTIN_VERIFIERS, *self.functions)
+        return (*BUILTIN_VERIFIERS, *(("judge",) if self.judge else ()), *self.functions)
 
 
 # ----------------------------------------------------------------------------- data
@@ -241,15 +244,15 @@ class PromptFormat(Section):
     )
 
 
-class ArithmeticData(PromptFormat, ArithmeticSource):
+class ArithmeticData(PromptSelection, PromptFormat, ArithmeticSource):
     """The built-in arithmetic task as training data."""
 
 
-class LongAnswerData(PromptFormat, LongAnswerSource):
+class LongAnswerData(PromptSelection, PromptFormat, LongAnswerSource):
     """The built-in long-answer task as training data."""
 
 
-class FileData(PromptFormat, FileSource):
+class FileData(PromptSelection, PromptFormat, FileSource):
     """Prompt files as training data."""
 
 

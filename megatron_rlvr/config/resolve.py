@@ -11,6 +11,7 @@ from pydantic import BaseModel, Field
 
 from megatron_rlvr.config.base import PositiveInt
 from megatron_rlvr.config.base import raise_problems as _raise
+from megatron_rlvr.config.colocation import colocation_problems
 from megatron_rlvr.config.data import (
     ArithmeticData,
     ArithmeticSource,
@@ -151,7 +152,7 @@ def _cross_field_problems(cfg: ResolvedConfig, dims: ModelDims, dp_derived: bool
             f"parallel.ep = {p.ep}, parallel.etp = {p.etp}: with parallel.tp = {p.tp}, ep · etp must be "
             f">= tp (Megatron-Core leaves expert gradients partial otherwise); use etp = tp or ep >= {p.tp}"
         )
-    problems += _engine_problems(cfg)
+    problems += _engine_problems(cfg) + colocation_problems(cfg)
     if a.routing_replay == "r3" and r.return_routed_experts is False:
         problems.append(
             "rollout.return_routed_experts = false: algo.routing_replay = r3 replays the "
@@ -248,6 +249,9 @@ def _engine_problems(cfg: Config) -> list[str]:
             "rollout.engine.device = cuda: a CPU learner (parallel.device = cpu) runs "
             "SGLang on CPU (device: cpu) or the learner on cuda"
         )
+    judge = cfg.verifier.judge
+    if engine.device == "cuda" and judge is not None and judge.model_path is not None and judge.gpus is None:
+        problems.append("verifier.judge.gpus: a judge served by SGLang on CUDA needs GPU ids of its own")
     if sync.checksum:
         problems.append(
             "weight_sync.checksum = true: SGLang has no per-bucket checksum (the CPU "
@@ -258,6 +262,13 @@ def _engine_problems(cfg: Config) -> list[str]:
             "weight_sync.pause_mode = in_place: SGLang cannot flush its prefix cache while "
             "paused requests hold it, so new requests would reuse KV of the old weights; use "
             "retract or abort, or add --disable-radix-cache to rollout.engine.extra_args"
+        )
+    if any(arg.split("=")[0] == "--hicache-storage-backend" for arg in engine.extra_args):
+        # SGLang 0.5.23's flush (the one that ends every sync) resets the radix tree and the host
+        # tier but not the storage tier, whose keys name the model and not its weight version
+        problems.append(
+            "rollout.engine.extra_args: --hicache-storage-backend keeps KV across the cache flush that "
+            "ends every weight sync, so requests would reuse KV of old weights; remove it"
         )
     if engine.gpus is not None:
         if cfg.launch.mode != "local":

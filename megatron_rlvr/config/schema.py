@@ -11,6 +11,7 @@ from pydantic import Field, model_validator
 from megatron_rlvr.config.agent import AgentConfig
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
+from megatron_rlvr.config.colocation import ColocationConfig
 from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, LongAnswerData, VerifierConfig
 from megatron_rlvr.config.model import ModelConfig, TinyModel
 from megatron_rlvr.config.rejection import parse_rejection
@@ -555,6 +556,7 @@ class LaunchConfig(Section):
         "threads and SGLang's SGLANG_CPU_OMP_THREADS_BIND to match; apart from learner_cpus, generation and "
         "training do not compete for cores, as on separate GPUs; None: not pinned",
     )
+    colocation: ColocationConfig = Field(default_factory=ColocationConfig, description="learner, engines: same devices")
 
     @model_validator(mode="after")
     def _check(self) -> LaunchConfig:

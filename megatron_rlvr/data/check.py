@@ -23,6 +23,7 @@ from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.files import load_source
 from megatron_rlvr.data.long_answers import long_answer_prompts
 from megatron_rlvr.data.records import LoadedPrompts
+from megatron_rlvr.data.selection import check_set_names, select_prompts
 
 log = logging.getLogger(__name__)
 
@@ -54,12 +55,15 @@ def _by_data_source(loaded: LoadedPrompts, verifiers: VerifierConfig) -> LoadedP
     return dataclasses.replace(loaded, records=mapped)
 
 
-def load_all(cfg: ResolvedConfig, *, report: bool = True) -> dict[str, LoadedPrompts]:
+def load_all(cfg: ResolvedConfig, *, report: bool = True, select: bool = True) -> dict[str, LoadedPrompts]:
     """dotted name → records, for the training data and every eval set. With `report`,
-    skipped rows are logged: one warning per source with the count and the first."""
+    skipped rows are logged: one warning per source with the count and the first. With
+    `select`, the training data is mixed by data.mixing, less what data.difficulty_file skips."""
     loaded = {}
     for where, source in data_sources(cfg):
         loaded[where] = load_data(source, cfg.verifier, where=where, skip_bad_rows=cfg.data.skip_bad_rows)
+        if where == "data" and select:
+            loaded[where].records = select_prompts(loaded[where].records, cfg.data, cfg.data.seed)
         skipped = loaded[where].skipped
         if skipped and report:
             log.warning(
@@ -85,13 +89,14 @@ def data_counts(loaded: dict[str, LoadedPrompts], train: EncodedPrompts) -> dict
     return counts
 
 
-def check_inputs(cfg: ResolvedConfig) -> dict[str, LoadedPrompts]:
+def check_inputs(cfg: ResolvedConfig, *, select: bool = True) -> dict[str, LoadedPrompts]:
     """Raises a UserError (one line) for a missing, empty or unreadable data file, a bad row
     (file:line, unless data.skip_bad_rows), a verifier function that is not there, a sandbox
-    this machine cannot give, or a missing wandb. Returns what load_all read."""
+    this machine cannot give, or a missing wandb. Returns what load_all read (`select`: see there)."""
     from megatron_rlvr.rewards.custom import check_function, resolve_function
 
-    loaded = load_all(cfg)
+    loaded = load_all(cfg, select=select)
+    check_set_names({name: loaded[f"eval.sets.{name}"].records for name in cfg.eval.sets})
     used = {r.verifier for prompts in loaded.values() for r in prompts.records}
     for name in sorted(used & set(cfg.verifier.functions)):
         check_function(name, resolve_function(cfg.verifier.functions[name], os.getcwd()))

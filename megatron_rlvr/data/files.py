@@ -17,7 +17,7 @@ from typing import Any
 
 from megatron_rlvr.config import ResolvedFileSource, VerifierConfig
 from megatron_rlvr.data.records import ROLES, DataError, LoadedPrompts, PromptRecord
-from megatron_rlvr.rewards.code import CodeTestError, parse_tests
+from megatron_rlvr.rewards.code.verifier import CodeTestError, parse_tests
 
 SUFFIXES = (".jsonl", ".json", ".parquet")
 _MISSING = object()

@@ -58,7 +58,8 @@ def ray_session(cfg: ResolvedConfig, temp_dir: str):
 
 
 def resources_needed(cfg: ResolvedConfig) -> dict[str, float]:
-    """GPUs the learner ranks and SGLang engines occupy; CPU runs need no whole cores."""
+    """GPUs the learner ranks and SGLang engines occupy (colocated: the learner's alone); CPU
+    runs need no whole cores."""
     p = cfg.parallel
     world = p.tp * p.pp * (p.dp or 1)
     engine = cfg.rollout.engine
@@ -66,6 +67,8 @@ def resources_needed(cfg: ResolvedConfig) -> dict[str, float]:
     if p.device == "cpu" and not on_gpus:
         return {}
     engine_gpus = cfg.rollout.num_engines * engine.tp if isinstance(engine, SglangEngine) and on_gpus else 0
+    if cfg.launch.colocation.enabled and p.device == "cuda":
+        engine_gpus = 0  # on the learner's GPUs
     return {"GPU": float((world if p.device == "cuda" else 0) + engine_gpus)}
 
 

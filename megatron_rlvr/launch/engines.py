@@ -18,6 +18,15 @@ if TYPE_CHECKING:
     from megatron_rlvr.rollout.launcher import ServerProcess
 
 
+def colocated_engine(cfg: ResolvedConfig):
+    """rollout.engine, with SGLang's memory saver on where colocated engines release GPU
+    memory (launch.colocation; torch_memory_saver is CUDA-only)."""
+    engine = cfg.rollout.engine
+    if cfg.launch.colocation.enabled and engine.type == "sglang" and engine.device == "cuda":
+        return engine.model_copy(update={"extra_args": ["--enable-memory-saver", *engine.extra_args]})
+    return engine
+
+
 class EngineHost:
     def __init__(
         self,
@@ -46,7 +55,7 @@ class EngineHost:
         bind = rollout.host
         self.server = server = engine_process(
             self.model_dir,
-            rollout.engine,
+            colocated_engine(self.cfg),
             host=bind,
             port=free_port("" if bind == "0.0.0.0" else bind),
             routed_experts=rollout.return_routed_experts,

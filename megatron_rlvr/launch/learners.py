@@ -22,6 +22,8 @@ from megatron_rlvr.rollout.launcher import pin_process
 from megatron_rlvr.stopping import StopSignals
 
 if TYPE_CHECKING:
+    from megatron_rlvr.learner.offload import LearnerOffload
+    from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
     from megatron_rlvr.weight_sync.syncer import WeightSyncer
 
 
@@ -30,7 +32,8 @@ class LearnerRank:
         self.cfg, self.model_dir = cfg, model_dir
         self.rank, self.world_size = rank, world_size
         self.learner: Any = None  # learner.learner.Learner, made by setup()
-        self.syncer: WeightSyncer | None = None  # rank 0 only
+        self.syncer: WeightSyncer | ColocatedSyncer | None = None  # rank 0 only
+        self.offload: LearnerOffload | None = None  # launch.colocation.offload_learner
         self.clients: list = []
         self.joined = False
         self.loop = asyncio.new_event_loop()
@@ -60,10 +63,29 @@ class LearnerRank:
         init_parallel(self.cfg.parallel, Rendezvous(self.rank, self.world_size, *master), seed=self.cfg.trainer.seed)
         self.joined = True
         self.learner = Learner(self.cfg, self.model_dir)
+        colocation = self.cfg.launch.colocation
+        if colocation.enabled and colocation.offload_learner:  # the engines generate first
+            from megatron_rlvr.learner.offload import LearnerOffload
+
+            self.offload = LearnerOffload(self.learner)
+            self.offload.offload()
         if self.rank != 0:
             return None
         timeout_s = self.cfg.rollout.request_timeout_s
         self.clients = [EngineClient(url, api_key=api_key, timeout_s=timeout_s) for url in engine_urls]
+        if colocation.enabled:
+            from megatron_rlvr.learner.offload import memory_snapshot
+            from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
+
+            device = self.cfg.parallel.device
+            self.syncer = ColocatedSyncer(
+                self.clients,
+                self.cfg,
+                engine_ranks=engine_ranks(self.cfg, len(self.clients)),
+                memory=lambda: memory_snapshot(device),
+            )
+            self.loop.run_until_complete(self.syncer.connect())
+            return self.syncer.version
         syncer = WeightSyncer(
             self.clients,
             self.cfg.weight_sync,
@@ -80,10 +102,30 @@ class LearnerRank:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self.learner.train_step(batch)
 
+    def sleep_engines(self) -> None:
+        """Colocated, before the learner's work: rank 0 has the engines release their memory,
+        then every rank takes back what it set aside (weight_sync/colocated.py)."""
+        from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
+
+        if isinstance(self.syncer, ColocatedSyncer):
+            self.loop.run_until_complete(self.syncer.sleep())
+        if self.offload is not None:
+            self.offload.onload()
+        if isinstance(self.syncer, ColocatedSyncer):
+            self.syncer.mark("after_onload")
+
     def sync_weights(self, version: int, restarted: list[int] | None = None) -> dict:
+        from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
         from megatron_rlvr.weight_sync.learner_sync import sync_weights
 
-        return sync_weights(self.learner, version, syncer=self.syncer, loop=self.loop, restarted=restarted)
+        syncer = self.syncer
+        if isinstance(syncer, ColocatedSyncer):
+            syncer.mark("after_train")
+        offloaded = self.offload.offload() if self.offload is not None else {}  # before the engines wake
+        metrics = sync_weights(self.learner, version, syncer=syncer, loop=self.loop, restarted=restarted)
+        if isinstance(syncer, ColocatedSyncer):
+            metrics |= offloaded | syncer.take_metrics()
+        return metrics
 
     def save(self, path: str) -> None:
         from megatron_rlvr.learner.checkpoint import save_checkpoint
@@ -167,6 +209,10 @@ class LearnerGroup:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         return self._all("train_step", batch)
+
+    def sleep_engines(self) -> None:
+        """Colocated: the engines release their memory, the learner takes back its own."""
+        self._all("sleep_engines")
 
     def sync_weights(self, version: int, restarted: list[int] | None = None) -> dict:
         """restarted: the engines restarted since they last got weights (they rejoin the group)."""

@@ -4,13 +4,16 @@ Components (learner ranks, engine hosts, verifier workers, the buffer) are start
 Placement and reached through Handles, with the same calls whether the object lives in this
 process or in a Ray actor on some node: no component asks where it is. Adding a placement
 kind (learner and engines colocated on the same GPUs, say) is a new Placement here and a
-config value; the components do not change.
+config value; the components do not change. Learner and engines on the same GPUs
+(launch.colocation) are a variant of both placements: engine i takes the GPUs of learner ranks
+i·tp .. (i+1)·tp − 1.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import inspect
 import os
 import time
@@ -248,7 +251,8 @@ class InProcess(Placement):
 
     def engine_gpus(self, index: int) -> list[int] | None:
         """SGLang on CUDA: rollout.engine.gpus' slice for this engine, or by default the GPUs
-        after the learner's GPU 0, so SGLang never claims memory on the learner's GPU."""
+        after the learner's GPU 0, so SGLang never claims memory on the learner's GPU; colocated,
+        the learner's GPU 0 (the config checks one engine of tp 1)."""
         engine = self.cfg.rollout.engine
         if engine.type != "sglang" or engine.device != "cuda":
             return None
@@ -256,6 +260,8 @@ class InProcess(Placement):
 
         from megatron_rlvr.rollout.launcher import EngineStartError
 
+        if self.cfg.launch.colocation.enabled:
+            return [0]
         ids = engine_gpus(engine.gpus, index, engine.tp)
         if max(ids) >= torch.cuda.device_count():
             raise EngineStartError(
@@ -275,12 +281,14 @@ class RayActors(Placement):
 
     kind = "ray"
     SLIVER = {"num_cpus": 0.01}
+    ENGINE_SHARE = 0.5  # colocated: Ray's count of a bundle's GPU for the engine host (the rank has the rest)
 
     def __init__(self, cfg: ResolvedConfig):
         super().__init__(cfg)
         self._learner_bundles: list[int] | None = None  # rank -> bundle, ranks node by node
         self._group: Any = None  # Ray's PlacementGroup for the learner ranks (CUDA learners)
         self._engine_group: Any = None  # and for the SGLang engines on CUDA, one bundle each
+        self._bundle_gpus: list[tuple[str, int]] = []  # colocated: each learner bundle's (node, GPU id)
 
     @contextlib.contextmanager
     def session(self, temp_dir: str):
@@ -303,18 +311,63 @@ class RayActors(Placement):
 
         timeout_s = float(os.environ.get("RLVR_PLACEMENT_TIMEOUT_S", 600))
         p, engine = self.cfg.parallel, self.cfg.rollout.engine
+        sglang_gpus = engine.type == "sglang" and engine.device == "cuda"
+        colocated = self.cfg.launch.colocation.enabled and sglang_gpus and p.device == "cuda"
         if p.device == "cuda":
             world = p.tp * p.pp * p.dp
+            # colocated: room in each bundle for an engine host's sliver beside its learner rank
+            bundle = {"GPU": 1, "CPU": 1 + (self.SLIVER["num_cpus"] if colocated else 0)}
             self._group = self._ready(
-                ray.util.placement_group([{"GPU": 1, "CPU": 1}] * world, strategy="PACK"), timeout_s, "the learner's"
+                ray.util.placement_group([bundle] * world, strategy="PACK"), timeout_s, "the learner's"
             )
             nodes = ray.util.placement_group_table(self._group)["bundles_to_node_id"]
             self._learner_bundles = sorted(range(world), key=lambda b: (nodes[b], b))
+            if colocated:
+                self._bundle_gpus = self._probe_bundles(world, timeout_s)
+                return
         if engine.type == "sglang" and engine.device == "cuda":
             bundles = [{"GPU": engine.tp, "CPU": 0.01}] * self.cfg.rollout.num_engines
             self._engine_group = self._ready(
                 ray.util.placement_group(bundles, strategy="PACK"), timeout_s, "the engines'"
             )
+
+    @property
+    def _engine_tp(self) -> int:
+        return getattr(self.cfg.rollout.engine, "tp", 1)  # a CPU engine is one process
+
+    def _probe_bundles(self, world: int, timeout_s: float) -> list[tuple[str, int]]:
+        """(node, GPU id) of every learner bundle, asked by a task placed in it, so that a
+        colocated engine's server can be shown the GPUs of the ranks it shares (Ray shows its
+        host only the one GPU of its own bundle)."""
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        @ray.remote(num_cpus=0.01, num_gpus=0.01)
+        def where() -> tuple[str, int]:
+            return ray.get_runtime_context().get_node_id(), int(ray.get_gpu_ids()[0])
+
+        strategy = functools.partial(PlacementGroupSchedulingStrategy, self._group)
+        calls = [
+            where.options(scheduling_strategy=strategy(placement_group_bundle_index=b)).remote() for b in range(world)
+        ]
+        return ray.get(calls, timeout=timeout_s)
+
+    def engine_gpus(self, index: int) -> list[int] | None:
+        """Colocated: the GPU ids of the learner ranks engine `index` shares, which must be on
+        one node; otherwise Ray's own setting for the actor."""
+        if not self._bundle_gpus:
+            return None
+        assert self._learner_bundles is not None
+        tp = self._engine_tp
+        shared = [self._bundle_gpus[self._learner_bundles[r]] for r in range(index * tp, (index + 1) * tp)]
+        if len({node for node, _ in shared}) > 1:
+            from megatron_rlvr.launch.cluster import ClusterError
+
+            raise ClusterError(
+                f"engine {index}: its rollout.engine.tp = {tp} GPUs (learner ranks {index * tp}..{(index + 1) * tp - 1}) "
+                "span nodes; colocated engines need tp to divide the GPUs of a node"
+            )
+        return [gpu for _, gpu in shared]
 
     @staticmethod
     def _ready(group: Any, timeout_s: float, whose: str) -> Any:
@@ -354,10 +407,21 @@ class RayActors(Placement):
             # neighbours on consecutive ranks, which should share a node
             assert self._learner_bundles is not None
             return {
-                "num_gpus": 1,
+                "num_gpus": 1 - self.ENGINE_SHARE if self._bundle_gpus else 1,
                 "num_cpus": 1,
                 "scheduling_strategy": PlacementGroupSchedulingStrategy(
                     self._group, placement_group_bundle_index=self._learner_bundles[index]
+                ),
+            }
+        if role is Role.ENGINE and self._bundle_gpus:  # colocated: beside the first rank it shares
+            assert self._learner_bundles is not None
+            bundle = self._learner_bundles[index * self._engine_tp]
+            return {
+                "max_concurrency": 2,
+                "num_gpus": self.ENGINE_SHARE,
+                **self.SLIVER,
+                "scheduling_strategy": PlacementGroupSchedulingStrategy(
+                    self._group, placement_group_bundle_index=bundle
                 ),
             }
         if role is Role.ENGINE:

@@ -48,8 +48,9 @@ class SubmitError(UserError, RuntimeError):
 # ----------------------------------------------------------------------------- resources
 @dataclass(frozen=True)
 class Plan:
-    """GPU arithmetic of a run on N nodes × G GPUs. Learner ranks and SGLang engines do not
-    share GPUs (no colocation): learner + engines <= N·G, and every engine fits on one node."""
+    """GPU arithmetic of a run on N nodes × G GPUs. Learner ranks and SGLang engines on
+    separate GPUs: learner + engines <= N·G, and every engine fits on one node; colocated
+    (launch.colocation), the engines take the learner's GPUs, engine.tp dividing a node's."""
 
     nodes: int
     gpus_per_node: int
@@ -57,15 +58,19 @@ class Plan:
     num_engines: int
     gpus_per_engine: int
     layout: str  # the learner's tp·pp·dp with ep/etp, for messages
+    colocated: bool = False  # the engines on the learner's GPUs
 
     @property
     def engine_gpus(self) -> int:
-        return self.num_engines * self.gpus_per_engine
+        """GPUs the engines add to the learner's."""
+        return 0 if self.colocated else self.num_engines * self.gpus_per_engine
 
     def lines(self) -> list[str]:
         total = self.nodes * self.gpus_per_node
         engines = (
-            f"{self.num_engines} SGLang engines × engine.tp {self.gpus_per_engine} = {self.engine_gpus} GPUs"
+            f"{self.num_engines} SGLang engines × engine.tp {self.gpus_per_engine} on the learner's GPUs (colocated)"
+            if self.gpus_per_engine and self.colocated
+            else f"{self.num_engines} SGLang engines × engine.tp {self.gpus_per_engine} = {self.engine_gpus} GPUs"
             if self.gpus_per_engine
             else f"{self.num_engines} CPU engine{'s' if self.num_engines > 1 else ''} (no GPUs)"
         )
@@ -75,7 +80,7 @@ class Plan:
             f"nodes    {self.nodes} × {self.gpus_per_node} GPUs = {total} GPUs",
             f"learner  {self.layout} = {learner}",
             f"rollout  {engines}",
-            f"total    {used} of {total} GPUs (learner and engines on separate GPUs)"
+            f"total    {used} of {total} GPUs (learner and engines on {'the same' if self.colocated else 'separate'} GPUs)"
             if used
             else "total    no GPUs: learner ranks and engines take fractions of the nodes' CPUs",
         ]
@@ -91,7 +96,10 @@ def plan(cfg: ResolvedConfig, nodes: int, gpus_per_node: int) -> Plan:
     world = p.tp * p.pp * p.dp
     layout = f"tp {p.tp} · pp {p.pp} · dp {p.dp} (ep {p.ep}, etp {p.etp}) on {p.device}"
     per_engine = engine.tp if isinstance(engine, SglangEngine) and engine.device == "cuda" else 0
-    result = Plan(nodes, gpus_per_node, world if p.device == "cuda" else 0, cfg.rollout.num_engines, per_engine, layout)
+    colocated = cfg.launch.colocation.enabled and per_engine > 0 and p.device == "cuda"
+    result = Plan(
+        nodes, gpus_per_node, world if p.device == "cuda" else 0, cfg.rollout.num_engines, per_engine, layout, colocated
+    )
     needed = result.learner_gpus + result.engine_gpus
     total = nodes * gpus_per_node
     if needed and not gpus_per_node:
@@ -110,6 +118,11 @@ def plan(cfg: ResolvedConfig, nodes: int, gpus_per_node: int) -> Plan:
             f"learner tp·pp·dp = {p.tp}·{p.pp}·{p.dp} = {result.learner_gpus} GPUs + rollout "
             f"{result.num_engines} engines × rollout.engine.tp {per_engine} = {result.engine_gpus} "
             f"GPUs = {needed} GPUs"
+        )
+    if colocated and gpus_per_node % per_engine:
+        raise SubmitError(
+            f"--gpus-per-node {gpus_per_node}: colocated engines of rollout.engine.tp = {per_engine} take the GPUs "
+            "of consecutive learner ranks, so tp must divide a node's GPUs or an engine would span nodes"
         )
     slots = nodes * (gpus_per_node // per_engine) if per_engine else result.num_engines
     if slots < result.num_engines:

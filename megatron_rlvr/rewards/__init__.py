@@ -3,6 +3,6 @@
 one of the user's functions (verifier.functions); `registry.Verifiers` dispatches to them.
 VERIFIERS holds the built-in batch functions, (responses, golds, timeout_s) → verdicts."""
 
-from megatron_rlvr.rewards.math import verify_math_batch
+from megatron_rlvr.rewards.math.verifier import verify_math_batch
 
 VERIFIERS = {"math": verify_math_batch}

@@ -10,8 +10,8 @@ deadline. A child can start no process, so killing it leaves nothing behind.
 
 No verdict is made where model-written code ran, and nothing it could compare against is
 there: the supervisor never sees an expected output. stdin/stdout tests send back what the
-code printed; function calls and the calls under test of assert-style tests (code_asserts)
-send back what it returned, as plain data (code_values), and the parent judges. An assert
+code printed; function calls and the calls under test of assert-style tests (code.asserts)
+send back what it returned, as plain data (code.values), and the parent judges. An assert
 test's judge program (its expected side) runs in a child of a separate supervisor that is
 given no model code. A child may also read only the Python installation, system libraries and
 its own directory, so no dataset file on disk is in its reach.
@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from megatron_rlvr.rewards.code_values import NotAValue, RecordedValues, ValueFailed, encode_value
+from megatron_rlvr.rewards.code.values import NotAValue, RecordedValues, ValueFailed, encode_value
 
 STARTUP_S = 10.0  # a supervisor's allowance beyond its jobs' budgets (interpreter start, imports)
 Started = tuple[subprocess.Popen, str]  # a supervisor process and its directory
@@ -260,7 +260,7 @@ def _run_solution(code: str, namespace: dict) -> dict | None:
 
 
 def _steps(test: dict, namespace: dict) -> dict:
-    """An assert test's steps (code_asserts), in order: its statements run, and an error in one
+    """An assert test's steps (code.asserts), in order: its statements run, and an error in one
     ends the test as it would end the script; each value step's value is sent back as plain
     data, or what it raised, which the judge raises where the test reads that value."""
     values: list = []

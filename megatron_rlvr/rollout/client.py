@@ -179,6 +179,39 @@ class EngineClient:
             retries=0,
         )
 
+    # ------------------------------------------------------------------ colocation
+    async def release_memory_occupation(self, tags: list[str] | None = None, *, timeout_s: float | None = None) -> None:
+        """Frees the engine's memory for `tags` (kv_cache, weights, cuda_graph; None: all).
+        Refused (EngineRequestError) unless the engine is idle. No retry: a release that
+        timed out may have happened."""
+        await self._bounded("/release_memory_occupation", p.ReleaseMemoryOccupationReqInput(tags=tags), timeout_s)
+
+    async def resume_memory_occupation(self, tags: list[str] | None = None, *, timeout_s: float | None = None) -> None:
+        """Allocates `tags` again (None: all released). Weights come back as zeros or garbage
+        unless the engine keeps a CPU backup: push them again (update_weights_from_tensor)."""
+        await self._bounded("/resume_memory_occupation", p.ResumeMemoryOccupationReqInput(tags=tags), timeout_s)
+
+    async def update_weights_from_tensor(
+        self, req: p.UpdateWeightsFromTensorReqInput, *, timeout_s: float | None = None
+    ) -> None:
+        """Loads one payload per engine TP rank (weight_sync/tensor_handover.py builds them),
+        inside a begin/end weight-update session. The engine answers before its device copy
+        is done on GPU: the sender keeps the tensors alive after the reply."""
+        await self._bounded("/update_weights_from_tensor", req, timeout_s)
+
+    async def _bounded(self, path: str, req: p.Strict, timeout_s: float | None) -> None:
+        """One POST, no retries, given up after timeout_s (default update_timeout_s): a
+        failure is EngineUnavailable naming the engine, the endpoint and the wait."""
+        bound = timeout_s or self.update_timeout_s
+        try:
+            await asyncio.wait_for(
+                self._request("POST", path, req.model_dump(exclude_none=True), timeout_s=bound, retries=0), bound + 1.0
+            )
+        except (TimeoutError, EngineUnavailable) as err:
+            raise EngineUnavailable(
+                f"waited up to {bound:g} s for {self.base_url}{path}: {type(err).__name__}: {err}".rstrip(": ")
+            ) from err
+
     async def close(self) -> None:
         await self._http.aclose()
 

@@ -14,6 +14,8 @@ its logits). Every token that goes through the model has its router top-k record
 
 Weights live in the transformers model; `weights` addresses them by HF checkpoint names with
 experts one by one (transformers 5 fuses experts in memory), which is what updates carry.
+While memory is released (rollout/memory_api.py) `released` names what is gone and new
+requests are refused.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ from megatron_rlvr.families import Family, family_of, read_hf_config
 from megatron_rlvr.rollout.cohort import Cohort
 from megatron_rlvr.rollout.protocol import FinishReason, SamplingParams
 from megatron_rlvr.rollout.sampling import sample_rows
+
+GENERATION_MEMORY = frozenset({"weights", "kv_cache"})  # released tags that stop generation
 
 
 class EngineError(ValueError):
@@ -122,6 +126,7 @@ class CpuEngine:
         self._running: list[Sequence] = []
         self._paused: str | None = None  # None | "abort" | "retract" | "in_place"
         self._stopped = False
+        self.released: set[str] = set()  # memory tags released (rollout/memory_api.py)
         self._stepping = False  # the scheduler is inside a step (prefill or decode), lock released
         self._seeds = itertools.count(1)
         self._thread = threading.Thread(target=self._loop, name="cpu-engine", daemon=True)
@@ -176,9 +181,33 @@ class CpuEngine:
             for i in range(params.n)
         ]
         with self._cond:
+            if self.released & GENERATION_MEMORY:
+                raise EngineError(
+                    f"generation refused: memory released ({', '.join(sorted(self.released))}); "
+                    "call /resume_memory_occupation first"
+                )
             self._waiting.extend(seqs)
             self._cond.notify_all()
         return seqs
+
+    def mark_released(self, tags: set[str]) -> None:
+        """Records tags as released, refused (as SGLang asserts an idle server) while any
+        request runs or holds a KV cache, or waits while generation is not paused. Requests
+        retracted by a pause wait on, admitted once everything is resumed and continued."""
+        with self._cond:
+            queued = [] if self._paused else self._waiting
+            pending = [s for s in queued + self._running if not s.future.done()]
+            if pending:
+                raise EngineError(
+                    f"release_memory_occupation refused: {len(pending)} requests are queued or running; "
+                    "the engine must be idle (let them finish or abort them)"
+                )
+            self.released |= tags
+
+    def mark_resumed(self, tags: set[str]) -> None:
+        with self._cond:
+            self.released -= tags
+            self._cond.notify_all()
 
     def abort(self, rid: str = "", abort_all: bool = False) -> int:
         """Marks matching sequences aborted: waiting ones finish at once, running ones at the
@@ -242,11 +271,11 @@ class CpuEngine:
                 self._stepping = False
                 self._cond.notify_all()  # a pause waiting for the step to end
                 cohorts = self._between_steps(cohorts)
-                while not self._stopped and not cohorts and (self._paused or not self._waiting):
+                while not self._stopped and not cohorts and (self._admission_held() or not self._waiting):
                     self._cond.wait()
                 if self._stopped:
                     return
-                room = 0 if self._paused else self._room_to_admit(sum(len(c.seqs) for c in cohorts))
+                room = 0 if self._admission_held() else self._room_to_admit(sum(len(c.seqs) for c in cohorts))
                 joiners, self._waiting = self._waiting[:room], self._waiting[room:]
                 self._running = [s for c in cohorts for s in c.seqs] + joiners
                 self._stepping = True
@@ -261,6 +290,10 @@ class CpuEngine:
                     if not seq.future.done():
                         seq.future.set_exception(err)
                 cohorts = []
+
+    def _admission_held(self) -> bool:
+        """Nothing joins while generation is paused or its memory is released."""
+        return self._paused is not None or bool(self.released & GENERATION_MEMORY)
 
     def _room_to_admit(self, running: int) -> int:
         """How many waiting sequences join this step. Admission goes in batches: a join costs a

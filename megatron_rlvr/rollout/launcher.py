@@ -356,10 +356,17 @@ def cpu_engine_command(
 
 
 def sglang_command(
-    model_dir: str, engine: SglangEngine, host: str, port: int, routed_experts: bool, in_flight: bool = False
+    model_dir: str,
+    engine: SglangEngine,
+    host: str,
+    port: int,
+    routed_experts: bool,
+    in_flight: bool = False,
+    chat: bool = False,
 ) -> list[str]:
     """`python -m sglang.launch_server` with the run's layout. Requests and responses carry
-    token ids only (the sampler tokenizes), so SGLang skips its tokenizer. in_flight (syncs
+    token ids only (the sampler tokenizes), so SGLang skips its tokenizer, except for a server
+    that answers chat requests (chat: a judge's). in_flight (syncs
     that land mid-sequence): without the overlap scheduler, whose forward queued at a pause
     puts one old-weights token in the new version's span (docs/in-flight.md), so every
     token's version tag is exact."""
@@ -387,7 +394,7 @@ def sglang_command(
         str(engine.mem_fraction_static),
         "--dtype",
         engine.dtype,
-        "--skip-tokenizer-init",
+        *([] if chat else ["--skip-tokenizer-init"]),
         "--weight-version",
         "0",
     ]  # SGLang starts at "default"; syncs count from 0
@@ -435,8 +442,10 @@ def engine_process(
     api_key: str | None = None,
     in_flight: bool = False,
     cpus: list[int] | None = None,
+    chat: bool = False,
 ) -> ServerProcess:
-    """gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors).
+    """chat: it answers /v1/chat/completions (a judge: SGLang then loads its tokenizer).
+    gpus: the GPU ids this engine may see (launch.mode = local; Ray sets them for actors).
     api_key: what every request but /health must carry (None: the server checks nothing).
     in_flight: the run's syncs land mid-sequence (rollout.updates = in_flight).
     cpus: the cores the server runs on (launch.engine_cpus' share; None: any)."""
@@ -448,7 +457,7 @@ def engine_process(
         env: dict[str, str] = {}
         key_env = ENGINE_API_KEY_ENV
     else:
-        command = sglang_command(model_dir, engine, host, port, routed_experts, in_flight)
+        command = sglang_command(model_dir, engine, host, port, routed_experts, in_flight, chat)
         env = sglang_env(engine, gpus, cpus)
         if api_key:  # SGLang reads no key from its environment: a --config file, not argv
             key_file = log_dir / f"engine-{port}.key.yaml"

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, model_validator
 
 
 class Strict(BaseModel):
@@ -28,6 +28,8 @@ class SamplingParams(Strict):
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     sampling_seed: int | None = None
+    # not a field: the CPU engine's chat endpoint constrains a reply (rollout/openai_api.TokenConstraint)
+    _constraint: Any = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _check(self) -> SamplingParams:
@@ -146,3 +148,26 @@ class AbortReqInput(Strict):
 
 class UpdateWeightVersionReqInput(Strict):
     new_version: str
+
+
+MemoryTag = Literal["kv_cache", "weights", "cuda_graph"]
+
+
+class ReleaseMemoryOccupationReqInput(Strict):
+    tags: list[MemoryTag] | None = Field(None, description="None or empty: everything")
+
+
+class ResumeMemoryOccupationReqInput(Strict):
+    tags: list[MemoryTag] | None = Field(None, description="None or empty: everything released")
+
+
+class UpdateWeightsFromTensorReqInput(Strict):
+    serialized_named_tensors: list[str] = Field(
+        description="one MultiprocessingSerializer payload (ForkingPickler + base64) per engine TP rank"
+    )
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False

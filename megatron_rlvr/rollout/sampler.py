@@ -37,7 +37,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from megatron_rlvr.data import PromptRecord
+from megatron_rlvr.data.selection import domain_of
 from megatron_rlvr.errors import UserError
+from megatron_rlvr.rollout.domains import DomainStats
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
 from megatron_rlvr.samples import Group, Sample
@@ -58,7 +60,7 @@ class NothingToLearn(RuntimeError):
     """A step's generation bound was spent without the useful groups one batch needs."""
 
 
-Score = Callable[[list[str], PromptRecord], Awaitable[list[float]]]  # responses, their record → rewards
+Score = Callable[[list[str], PromptRecord], Awaitable[list[float | None]]]  # responses, their record → rewards
 
 _RESAMPLE_SEEDS = 2**61  # a resample's seeds start here: scheduled groups' seeds (seed + submission + index) never do
 
@@ -187,6 +189,7 @@ class ActiveSampler:
         self._stopping = False
         self._keep_busy_task: asyncio.Task | None = None  # in flight: generating between fills
         self._keep_going = False
+        self.domains = DomainStats([domain_of(r) for r in prompts])  # per-domain rewards and zero-std shares
 
     def useful_fraction(self) -> float:
         """Kept / generated over the latest groups (the policy changes, so the fraction does),
@@ -299,25 +302,30 @@ class ActiveSampler:
         self._failed_in_a_row = self._failed_in_a_row + 1 if group.error is not None else 0
         if self._failed_in_a_row >= self.max_failed_in_a_row:
             raise RolloutFailed(f"the last {self._failed_in_a_row} groups all failed; latest: {group.error}")
-        rewards: list[float] = []
+        rewards: list[float | None] = []
         if group.samples and group.error is None:
             rewards = await self.score(
                 [answer_text(s, self.decode) for s in group.samples], self._by_id[group.prompt_id]
             )
             if self.manager.agent is not None:
-                rewards = [self.manager.agent.reward(r, s) for r, s in zip(rewards, group.samples)]
+                rewards = [
+                    None if r is None else self.manager.agent.reward(r, s) for r, s in zip(rewards, group.samples)
+                ]
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
                 self.tokens += sample.sampled_tokens()
                 self.episodes.add(sample)
-            self.rewards.extend(rewards)
+            self.rewards.extend(r for r in rewards if r is not None)  # None: unscored (a judge's); the buffer drops it
         async with self._filing:
             verdict = await self.buffer.put(group)
             self._scoring.remove(group.group_id)
             self._prompt_of.pop(group.group_id, None)
             if verdict in ("kept", "zero_std"):
-                self.history.record(group.prompt_id, rewards, zero_std=verdict == "zero_std")
+                self.history.record(
+                    group.prompt_id, [r for r in rewards if r is not None], zero_std=verdict == "zero_std"
+                )
             self._recent.append(verdict == "kept")
+            self.domains.add(domain_of(self._by_id[group.prompt_id]), rewards, verdict)
             if group.group_id in self._resamples:
                 self._resamples.discard(group.group_id)
                 self._resample_counts["resampled_useful"] += verdict == "kept"
@@ -377,6 +385,7 @@ class ActiveSampler:
             **({"rollout/group_size": sum(sizes) / len(sizes)} if sizes else {}),
             **(resamples if self.group_sizes and self.group_sizes.resample else {}),
             **self.episodes.take(),
+            **self.domains.take(),
         }
 
     def take_rewards(self) -> tuple[list[float], int]:

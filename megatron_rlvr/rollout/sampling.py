@@ -49,6 +49,14 @@ def sample_rows(
     """One token per row of logits [rows, vocab] (float32) under each row's sampling params and
     seed, at each row's output position; returns the tokens and their logprobs."""
     vocab = logits.shape[1]
+    constraints = [p._constraint for p in params]  # a constrained reply: only the tokens it allows
+    if any(c is not None for c in constraints):
+        logits = torch.stack(
+            [
+                row if c is None else row.masked_fill(~c.mask(vocab), float("-inf"))
+                for row, c in zip(logits, constraints)
+            ]
+        )
     temperature = torch.tensor([p.temperature for p in params], dtype=logits.dtype)
     greedy = temperature == 0.0
     logp = torch.log_softmax(logits / torch.where(greedy, 1.0, temperature)[:, None], dim=-1)
@@ -56,6 +64,9 @@ def sample_rows(
     gumbel = -torch.log(-torch.log(uniform_noise(seeds, positions, vocab))).to(logp.dtype)
     drawn = torch.where(keep, logp + gumbel, float("-inf")).argmax(-1)
     tokens = torch.where(greedy, logits.argmax(-1), drawn)
+    for constraint, token in zip(constraints, tokens.tolist()):
+        if constraint is not None:
+            constraint.advance(token)
     return tokens.tolist(), logp.gather(1, tokens[:, None])[:, 0].tolist()
 
 

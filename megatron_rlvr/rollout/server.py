@@ -28,6 +28,8 @@ from pydantic import BaseModel, ValidationError
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import ENGINE_API_KEY_ENV
 from megatron_rlvr.rollout.cpu_engine import CpuEngine, EngineError, Sequence
+from megatron_rlvr.rollout.memory_api import MemoryOccupation, register_memory_api
+from megatron_rlvr.rollout.openai_api import add_chat_endpoint
 from megatron_rlvr.rollout.routed_experts import encode_routed_experts
 from megatron_rlvr.rollout.weight_receiver import dtype_from_name, receive_bucket, receive_tensors
 from megatron_rlvr.weight_sync.transport import open_group
@@ -96,9 +98,16 @@ class WeightUpdates:
 HEALTH_CHECK_TIMEOUT_S = 20.0  # SGLang 0.5.23's SGLANG_HEALTH_CHECK_TIMEOUT default
 
 
-def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: CpuEngine,
+    *,
+    return_routed_experts: bool = False,
+    api_key: str | None = None,
+    weights_cpu_backup: bool = False,
+) -> FastAPI:
     app = FastAPI(title="megatron-rlvr CPU engine (SGLang API)")
     updates = WeightUpdates(engine)
+    register_memory_api(app, updates, MemoryOccupation(engine, weights_cpu_backup=weights_cpu_backup), _parse)
 
     if api_key:
 
@@ -233,6 +242,8 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_ke
     @app.post("/get_weights_by_name")
     async def get_weights_by_name(request: Request):
         req = await _parse(request, p.GetWeightsByNameReqInput)
+        if "weights" in engine.released:
+            raise EngineError("weights are released: resume them (/resume_memory_occupation) first")
         if req.name not in engine.weights:
             raise EngineError(f"unknown weight name {req.name!r}")
         with engine.model_lock:
@@ -251,6 +262,7 @@ def create_app(engine: CpuEngine, *, return_routed_experts: bool = False, api_ke
         updates.session["version"] = req.weight_version or updates.session["version"]
         return {"success": True, "message": f"updated {len(req.names)} tensors"}
 
+    add_chat_endpoint(app, engine, _parse)  # /v1/chat/completions, as SGLang's OpenAI-compatible API
     return app
 
 
@@ -353,6 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-running-requests", type=int, default=64)
     parser.add_argument("--enable-return-routed-experts", action="store_true")
     parser.add_argument("--weight-version", default="0")
+    parser.add_argument("--enable-weights-cpu-backup", action="store_true", help="released weights come back intact")
     parser.add_argument("--threads", type=int, default=1, help="torch threads: one per core the engine is pinned to")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -364,6 +377,7 @@ def main(argv: list[str] | None = None) -> None:
         engine,
         return_routed_experts=args.enable_return_routed_experts,
         api_key=os.environ.pop(ENGINE_API_KEY_ENV, None),
+        weights_cpu_backup=args.enable_weights_cpu_backup,
     )
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 

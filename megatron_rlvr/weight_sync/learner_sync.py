@@ -5,12 +5,15 @@ talks to the engines, on the event loop it owns."""
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
 from megatron_rlvr.weight_sync.probe import check_parity, engine_samples, parity_gaps, probe_batch
 from megatron_rlvr.weight_sync.syncer import EnginesLost, WeightSyncer
+
+if TYPE_CHECKING:
+    from megatron_rlvr.weight_sync.colocated import ColocatedSyncer
 
 PROBE_TOKENS = [1, 5, 9, 13, 17, 21, 25, 29]  # a fixed prompt, folded into the model's vocabulary
 
@@ -19,7 +22,7 @@ def sync_weights(
     learner,
     version: int,
     *,
-    syncer: WeightSyncer | None = None,
+    syncer: WeightSyncer | ColocatedSyncer | None = None,
     loop: asyncio.AbstractEventLoop | None = None,
     probe_tokens: int = 8,
     restarted: list[int] | None = None,

@@ -1,11 +1,11 @@
 """Math answer verification: `verify_math(response, gold)` → 1.0 or 0.0.
 
-Every pair is decided in a sandboxed worker process under a hard per-pair deadline (sandbox.py):
-find the final answer (math_text), clean it (math_latex), read what it commits to (math_answer:
+Every pair is decided in a sandboxed worker process under a hard per-pair deadline (workers.py):
+find the final answer (math.text), clean it (math.latex), read what it commits to (math.answer:
 an exact value before its approximation, the value after a label, a decimal comma), refuse a
-different unit (math_units: 12 kJ is not 12 J), parse it into a tree (math_parse) and compare
-with exact numbers, canonical forms and sampled values (math_compare, math_eval), then sympy for
-what these cannot settle (math_verdict, math_sympy). Nothing here raises to the caller or hangs:
+different unit (math.units: 12 kJ is not 12 J), parse it into a tree (math.parse) and compare
+with exact numbers, canonical forms and sampled values (math.compare, math.evaluate), then sympy for
+what these cannot settle (math.verdict, math.symbolic). Nothing here raises to the caller or hangs:
 a worker past the deadline is killed and replaced and its pair is (0.0, "timeout"); every
 failure is a 0.0 with a reason, and `MathVerifier.stats` counts the reasons (the run logs them
 as `verifier/<reason>`).
@@ -17,7 +17,7 @@ import atexit
 import functools
 from collections import Counter
 
-from megatron_rlvr.rewards.sandbox import SandboxPool
+from megatron_rlvr.rewards.math.workers import SandboxPool
 from megatron_rlvr.rewards.verdict import Verdict
 
 

@@ -5,7 +5,7 @@ tell (then the pair goes to the sandbox, which runs this same code with a sympy 
 The rules, in order:
 - a choice letter equals the same letter, with or without its parentheses or value; several
   letters compare as a set (`C, A` = `(A), (C)` = `AC`);
-- math_shapes first: unit vectors against a vector, a scalar times a matrix, a numeral in a base
+- math.shapes first: unit vectors against a vector, a scalar times a matrix, a numeral in a base
   against the same digits; values boxed one by one against a point that cannot be an interval;
 - words equal the same words (case and punctuation aside); "no solution" is the empty set;
 - `x \\in S` is S; an equation chain in the response is its last member when the gold answer is
@@ -27,7 +27,7 @@ The rules, in order:
 
 from __future__ import annotations
 
-from megatron_rlvr.rewards.math_eval import (
+from megatron_rlvr.rewards.math.evaluate import (
     DEGREE,
     ONE_HUNDRED,
     Approximator,
@@ -38,9 +38,9 @@ from megatron_rlvr.rewards.math_eval import (
     symbols,
     values_differ,
 )
-from megatron_rlvr.rewards.math_parse import INFINITY
-from megatron_rlvr.rewards.math_shapes import choice_letters, numeral_equal, scaled_matrix, unit_vector
-from megatron_rlvr.rewards.math_text import AnswerError
+from megatron_rlvr.rewards.math.parse import INFINITY
+from megatron_rlvr.rewards.math.shapes import choice_letters, numeral_equal, scaled_matrix, unit_vector
+from megatron_rlvr.rewards.math.text import AnswerError
 
 Tri = bool | None
 MAX_PAIRINGS = 2_500  # element comparisons one set comparison may make

@@ -8,7 +8,7 @@ sandbox (megatron_rlvr.rewards.runner). Tests come as datasets store them:
   "outputs": [...]}: f(*args) (or Solution().f) must return the output;
 - assert-style (MBPP, HumanEval): a string of test code, a list of assert statements
   ({"test_list": [...]} too), or {"test": code, "entry_point": f} with a HumanEval check().
-  These are split (code_asserts) into the calls under test, which the sandbox evaluates (after
+  These are split (code.asserts) into the calls under test, which the sandbox evaluates (after
   the statements that build their inputs or the solution's objects), and the rest of the test,
   judged on their values by a process that never ran the solution; a test that cannot be split
   so (a loop over the solution's results, `len(stack)` of an object) is refused, never trusted.
@@ -27,8 +27,8 @@ import math
 import re
 from typing import Any
 
-from megatron_rlvr.rewards.code_asserts import CodeTestError, split_asserts
-from megatron_rlvr.rewards.code_values import RecordedValues, ValueFailed, decode_value
+from megatron_rlvr.rewards.code.asserts import CodeTestError, split_asserts
+from megatron_rlvr.rewards.code.values import RecordedValues, ValueFailed, decode_value
 from megatron_rlvr.rewards.reasoning import strip_reasoning
 from megatron_rlvr.rewards.verdict import Verdict
 

@@ -10,8 +10,8 @@ import cmath
 import math
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_parse import child_nodes, is_node, map_children
-from megatron_rlvr.rewards.math_text import AnswerError
+from megatron_rlvr.rewards.math.parse import child_nodes, is_node, map_children
+from megatron_rlvr.rewards.math.text import AnswerError
 
 MAX_BITS = 40_000  # ~12,000 digits: any legitimate answer, never a runaway power
 MAX_SYMBOLIC_EXPONENT = 1_000

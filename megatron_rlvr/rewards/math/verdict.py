@@ -1,22 +1,22 @@
 """The verdict on one (response, gold) pair as far as exact numbers, canonical forms and
-sampled values settle it: find the final answer (math_text), clean it (math_latex), read what it
-commits to (math_answer), refuse a different unit (math_units), parse it (math_parse) and
-compare (math_compare, math_eval). What these leave undecided goes to sympy (math_sympy). Runs
-inside the sandbox workers (rewards/sandbox.py), under their per-pair deadline."""
+sampled values settle it: find the final answer (math.text), clean it (math.latex), read what it
+commits to (math.answer), refuse a different unit (math.units), parse it (math.parse) and
+compare (math.compare, math.evaluate). What these leave undecided goes to sympy (math.symbolic). Runs
+inside the sandbox workers (rewards/math/workers.py), under their per-pair deadline."""
 
 from __future__ import annotations
 
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_answer import after_label, drop_approximations, foreign_number
-from megatron_rlvr.rewards.math_compare import FastBackend, compare
-from megatron_rlvr.rewards.math_eval import rational
-from megatron_rlvr.rewards.math_latex import clean
-from megatron_rlvr.rewards.math_parse import parse_answer, text_node
-from megatron_rlvr.rewards.math_text import AnswerError, extract_answers, gold_answer
-from megatron_rlvr.rewards.math_tokens import tokenize
-from megatron_rlvr.rewards.math_units import signature
+from megatron_rlvr.rewards.math.answer import after_label, drop_approximations, foreign_number
+from megatron_rlvr.rewards.math.compare import FastBackend, compare
+from megatron_rlvr.rewards.math.evaluate import rational
+from megatron_rlvr.rewards.math.latex import clean
+from megatron_rlvr.rewards.math.parse import parse_answer, text_node
+from megatron_rlvr.rewards.math.text import AnswerError, extract_answers, gold_answer
+from megatron_rlvr.rewards.math.tokens import tokenize
+from megatron_rlvr.rewards.math.units import signature
 from megatron_rlvr.rewards.verdict import Verdict
 
 _FAST = FastBackend()

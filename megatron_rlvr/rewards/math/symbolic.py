@@ -9,9 +9,9 @@ import random
 
 import sympy
 
-from megatron_rlvr.rewards.math_compare import FastBackend, Tri, _difference
-from megatron_rlvr.rewards.math_parse import child_nodes
-from megatron_rlvr.rewards.math_text import AnswerError
+from megatron_rlvr.rewards.math.compare import FastBackend, Tri, _difference
+from megatron_rlvr.rewards.math.parse import child_nodes
+from megatron_rlvr.rewards.math.text import AnswerError
 
 DIGITS = 60
 _FUNCTIONS = {

@@ -10,7 +10,7 @@ parsed here (Python `ast`) into
   read back where the test reads it, as Python would see it). A call under test is a call of
   the solution's (or a method, attribute or item of what it returned or was given); its
   arguments are its inputs. Nothing else is evaluated there, and the values come back as plain
-  data (code_values);
+  data (code.values);
 - the judge program: the test with each call under test replaced by `_rlvr_value(i)`, the i-th
   value sent back: `assert sorted(_rlvr_value(0)) == _rlvr_value(1) and _rlvr_value(2) == [1, 3]`.
   Every comparison, operator and function of the test's own (sorted, len, isinstance,

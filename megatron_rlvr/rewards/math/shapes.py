@@ -1,7 +1,7 @@
 """Answer trees that name the same object in another shape, turned into the shape of the other
-answer before math_compare compares them:
+answer before math.compare compares them:
 
-- a sum of unit vectors (`3\\hat{i} - 2\\hat{j} + \\hat{k}`, math_forms spells them all
+- a sum of unit vectors (`3\\hat{i} - 2\\hat{j} + \\hat{k}`, math.forms spells them all
   `\\hat{·}`) is the vector of its coefficients, when it is linear in them with no constant;
 - a scalar times a matrix (`\\frac{1}{2}\\begin{pmatrix}…\\end{pmatrix}`) is the scaled matrix;
 - a numeral in another base (`1011_2`, read as one name) equals the same digits written plainly,
@@ -14,8 +14,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_eval import rational, symbols
-from megatron_rlvr.rewards.math_parse import child_nodes, map_children
+from megatron_rlvr.rewards.math.evaluate import rational, symbols
+from megatron_rlvr.rewards.math.parse import child_nodes, map_children
 
 UNIT_NAMES = ("hat{i}", "hat{j}", "hat{k}")
 _NUMERAL = re.compile(r"(?<![0-9A-Z])([0-9][0-9A-Z]*)_(\d+)")

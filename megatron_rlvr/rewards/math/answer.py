@@ -5,7 +5,7 @@
   it equals only a gold that is that decimal;
 - a label the parser cannot read (`\\det A = -2`, `\\angle ABC = 30^\\circ`, `\\gcd(12, 18) = 6`) is
   dropped: the answer is what follows the last `=` (labels it can read, `P(A) = 0.3`, `f(2) = 5`,
-  are the last member of an equation chain in math_compare);
+  are the last member of an equation chain in math.compare);
 - a number in another convention: `1.234,5` (dots grouping thousands, then a decimal comma) is
   always 1234.5, and `1.234.567` (two dot groups or more) 1234567; a decimal comma alone, `3,5`
   or `3{,}5`, is 3.5 only against a gold that is one non-integer number, and never when three
@@ -19,7 +19,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_text import matching_brace
+from megatron_rlvr.rewards.math.text import matching_brace
 
 _APPROX = r"\approx"
 _SEPARATOR = re.compile(r",|;|\\TXT\{(?:or|and)\}")

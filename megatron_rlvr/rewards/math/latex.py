@@ -1,5 +1,5 @@
 """String cleanup before parsing: unicode math to LaTeX, LaTeX sugar and spacing away,
-thousands separators joined, `\\text{}` sorted into units (kept as words for math_units), connectives ("or",
+thousands separators joined, `\\text{}` sorted into units (kept as words for math.units), connectives ("or",
 "and"), answer words (kept as `\\TXT{…}`) and formatting (unwrapped). Regex passes only,
 each linear in the answer's length."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import re
 
-from megatron_rlvr.rewards.math_forms import rewrite_forms
-from megatron_rlvr.rewards.math_text import MAX_ANSWER_CHARS, AnswerError, matching_brace
-from megatron_rlvr.rewards.math_units import is_unit_text
+from megatron_rlvr.rewards.math.forms import rewrite_forms
+from megatron_rlvr.rewards.math.text import MAX_ANSWER_CHARS, AnswerError, matching_brace
+from megatron_rlvr.rewards.math.units import is_unit_text
 
 _UNICODE = {
     "\u2212": "-",

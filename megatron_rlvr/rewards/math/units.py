@@ -6,7 +6,7 @@ converted (`40 mm` for `4 cm` scores 0: graders disagree on it). A unit on one s
 ignored: `12` and `12 \\text{ J}` both answer a gold of `12 \\mathrm{~J}`, as graders of Minerva
 and GSM8K answers accept, and words that are not units ("48 cookies") are never units.
 
-Units are read from math_latex's `\\TXT{…}` words (with the `^2`, `/` and `\\cdot` between them),
+Units are read from math.latex's `\\TXT{…}` words (with the `^2`, `/` and `\\cdot` between them),
 so a bare letter in math (`5m`) stays a variable. Everything here is one linear pass."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""A cleaned answer (math_latex.clean) → tokens for math_parse: numbers, letters (with
+"""A cleaned answer (math.latex.clean) → tokens for math.parse: numbers, letters (with
 their subscripts), functions, operators, words, environments. A number literal is one token,
 exponent included: `3e2` is 300, so no symbol ever comes out of a literal."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_text import AnswerError, matching_brace
+from megatron_rlvr.rewards.math.text import AnswerError, matching_brace
 
 MAX_DECIMAL_EXPONENT = 1000
 CONSTANT_NAMES = {"pi", "infty", "infinity", "emptyset", "varnothing", "reals"}
@@ -185,7 +185,7 @@ def _command(s: str, i: int, tokens: list) -> int:
         words = s[i + 1 : end].strip()
         tokens.append(("op", words.lower()) if words.lower() in ("or", "and") else ("text", words))
         i = end + 1
-    elif name == "numeral" and s.startswith("{", i):  # math_forms: \numeral{2A}{16}
+    elif name == "numeral" and s.startswith("{", i):  # math.forms: \numeral{2A}{16}
         end = matching_brace(s, i)
         base_at = end + 1
         base_end = matching_brace(s, base_at) if s.startswith("{", base_at) else -1

@@ -1,4 +1,4 @@
-"""Answer spellings rewritten to the one form the parser reads, as part of math_latex.clean:
+"""Answer spellings rewritten to the one form the parser reads, as part of math.latex.clean:
 French/ISO intervals (`]a,b[`), a letter U between intervals as a union, binomials written
 `C(n,k)` or `{}_nC_k`, unit vectors (`3\\mathbf{i} - \\hat{j}`), E-notation in text
 (`4.8\\text{E-}19`), primes on a name (`f'(x)`), feet and inch marks (`5'`, `5''`, `5'6"`) and

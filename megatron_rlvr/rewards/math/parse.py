@@ -1,6 +1,6 @@
-"""A cleaned answer (math_latex.clean) → a tree of plain tuples, by a recursive-descent parser
-over math_tokens with a nesting bound. No eval, no sympy: the tree is data that
-math_eval and math_compare read here, and that the sandbox turns into sympy objects by
+"""A cleaned answer (math.latex.clean) → a tree of plain tuples, by a recursive-descent parser
+over math.tokens with a nesting bound. No eval, no sympy: the tree is data that
+math.evaluate and math.compare read here, and that the sandbox turns into sympy objects by
 constructor calls.
 
 Expressions: ("num", Fraction) ("sym", name) ("const", "pi"|"e"|"i"|"oo") ("add", terms)
@@ -10,7 +10,7 @@ Answers: ("rel", members, ops) ("set", items) ("tuple", items) ("list", items)
 ("interval", lo, hi, left_open, right_open) ("union", parts) ("setminus", a, b) ("matrix", rows)
 ("text", words) ("empty",) ("choice", letter, rest|None).
 
-A number literal is one token (math_tokens): `3e2` is 300, never 3·e·2; and `2\\frac{1}{2}` (an
+A number literal is one token (math.tokens): `3e2` is 300, never 3·e·2; and `2\\frac{1}{2}` (an
 integer before a proper numeric fraction) is the mixed number 5/2.
 """
 
@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from fractions import Fraction
 
-from megatron_rlvr.rewards.math_text import AnswerError, matching_brace
-from megatron_rlvr.rewards.math_tokens import parse_number, tokenize
+from megatron_rlvr.rewards.math.text import AnswerError, matching_brace
+from megatron_rlvr.rewards.math.tokens import parse_number, tokenize
 
 MAX_DEPTH = 40
 

@@ -3,9 +3,9 @@
 Model output is untrusted: reading a crafted response, or simplifying a crafted expression (a
 power tower, a huge factorial), can take unbounded time and memory. So the whole verdict on a
 pair, from finding the final answer to sympy, runs in child processes (`python -m
-megatron_rlvr.rewards.sandbox`) with an address-space limit, and a parent that kills a worker
+megatron_rlvr.rewards.math.workers`) with an address-space limit, and a parent that kills a worker
 past its per-pair deadline (0.0, `timeout`) and starts a fresh one. Workers parse with the same
-bounded parser (math_parse) and build sympy objects by constructor calls: nothing from a
+bounded parser (math.parse) and build sympy objects by constructor calls: nothing from a
 response is ever evaluated as code. The caller never waits longer than the timeout per pair and
 never sees an exception.
 """
@@ -23,9 +23,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from megatron_rlvr.rewards.math_parse import parse_answer
-from megatron_rlvr.rewards.math_text import AnswerError
-from megatron_rlvr.rewards.math_verdict import prepare
+from megatron_rlvr.rewards.math.parse import parse_answer
+from megatron_rlvr.rewards.math.text import AnswerError
+from megatron_rlvr.rewards.math.verdict import prepare
 from megatron_rlvr.rewards.verdict import Verdict
 
 MAX_START_FAILURES = 3
@@ -37,8 +37,8 @@ START_TIMEOUT_S = 60.0
 def compare_in_worker(pred: str, gold: str) -> tuple[bool, str]:
     """Worker-side verdict on two cleaned answers → (equal, reason). Parsing is repeated here
     (it is cheap) so that only strings cross the pipe."""
-    from megatron_rlvr.rewards.math_compare import compare
-    from megatron_rlvr.rewards.math_sympy import SympyBackend
+    from megatron_rlvr.rewards.math.compare import compare
+    from megatron_rlvr.rewards.math.symbolic import SympyBackend
 
     try:
         equal, reason = compare(parse_answer(pred), parse_answer(gold), SympyBackend())
@@ -149,7 +149,7 @@ class SandboxPool:
         env = {k: v for k, v in os.environ.items() if k in ("PATH", "PYTHONPATH", "HOME")}
         env["OMP_NUM_THREADS"] = "1"
         return subprocess.Popen(
-            [sys.executable, "-m", "megatron_rlvr.rewards.sandbox", str(self.memory_mb)],
+            [sys.executable, "-m", "megatron_rlvr.rewards.math.workers", str(self.memory_mb)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
