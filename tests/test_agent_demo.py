@@ -1,0 +1,124 @@
+"""The tool-calculator demo's task (megatron_rlvr/data/tool_arithmetic.py): problems a tiny
+model cannot compute, split so no set shares a problem, cold-start traces whose slips are
+exactly the ones asked for, and answers the math verifier scores."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_rlvr.data.tool_arithmetic import (
+    ToolArithmetic,
+    draw_problems,
+    evaluate,
+    parse_settings,
+    problem_split,
+    worked_trace,
+    worked_traces,
+    write_files,
+)
+from megatron_rlvr.rewards.math import verify_math
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def final_answer(trace: list[dict]) -> str:
+    return trace[-1]["content"]
+
+
+def test_files_are_deterministic_and_their_splits_share_no_problem(tmp_path):
+    task = ToolArithmetic(train_prompts=300, sft_traces=300, heldout_prompts=40)
+    first = write_files(task, tmp_path / "a")
+    second = write_files(task, tmp_path / "b")
+    assert all(first[k].read_bytes() == second[k].read_bytes() for k in first)
+    rows = {k: [json.loads(line) for line in p.read_text().splitlines()] for k, p in first.items()}
+    train = {r["prompt"][0]["content"] for r in rows["train"]}
+    heldout = {r["prompt"][0]["content"] for r in rows["heldout"]}
+    sft = {r["messages"][0]["content"] for r in rows["sft"]}
+    assert (len(train), len(heldout), len(sft)) == (300, 40, 300)  # distinct within each set
+    assert not (train & heldout) and not (train & sft) and not (sft & heldout)
+    assert {r["messages"][0]["content"] for r in rows["sft_direct"]} == sft
+    for row in rows["heldout"]:
+        expression = row["prompt"][0]["content"].removesuffix("=")
+        assert problem_split(expression) == "heldout" and row["answer"] == str(evaluate(expression))
+        assert len(row["answer"]) >= 4  # what a tiny model cannot compute: 4 digits or more
+
+
+def test_without_slips_every_trace_calls_the_tool_right_and_copies_its_result():
+    task = ToolArithmetic(slip_rate=0.0, sft_traces=200)
+    for trace in worked_traces(task):
+        user, call, tool, answer = trace
+        expression = user["content"].removesuffix("=")
+        assert call["tool_calls"][0]["function"] == {"name": "calculator", "arguments": {"expression": expression}}
+        assert tool == {"role": "tool", "name": "calculator", "content": str(evaluate(expression))}
+        assert verify_math(answer["content"], str(evaluate(expression))) == 1.0
+
+
+def test_slips_come_at_the_rate_asked_half_in_the_expression_half_in_the_copy():
+    """Each slipped trace is wrong by exactly one digit, in the expression the tool ran (its
+    result then copied faithfully) or in the copy of a right result; the answer verifies 0."""
+    import random
+
+    rng = random.Random(7)
+    problems = draw_problems(ToolArithmetic(), "train_sft", 2000, seed=5)
+    kinds = {"right": 0, "expression": 0, "copy": 0}
+    for expression in problems:
+        trace = worked_trace(expression, rng, slip_rate=0.4)
+        written = trace[1]["tool_calls"][0]["function"]["arguments"]["expression"]
+        result, answer = trace[2]["content"], final_answer(trace).removeprefix("#### ")
+        assert result == str(evaluate(written))
+        gold = str(evaluate(expression))
+        if written != expression:
+            assert sum(a != b for a, b in zip(written, expression, strict=True)) == 1 and answer == result
+            kinds["expression"] += 1
+        elif answer != result:
+            assert sum(a != b for a, b in zip(answer, result, strict=True)) == 1
+            kinds["copy"] += 1
+        else:
+            kinds["right"] += 1
+            continue
+        assert verify_math(final_answer(trace), gold) == 0.0  # operands are never 0: a slip changes the value
+    share = (kinds["expression"] + kinds["copy"]) / len(problems)
+    assert 0.36 < share < 0.44, kinds
+    assert abs(kinds["expression"] - kinds["copy"]) < 0.1 * len(problems), kinds
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["slip_rate=2"], "slip_rate = 2.0: must be in [0, 1]"),
+        (["slips=0.1"], "'slips=0.1' is not key=value with a key of"),
+        (["min_digits=5", "max_digits=3"], "digits 5..3"),
+        (["seed=x"], "seed = 'x' is not a number"),
+    ],
+)
+def test_bad_settings_are_one_line_errors(argv, message):
+    with pytest.raises(SystemExit) as err:
+        parse_settings(argv)
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_command_writes_the_files_the_configs_name(tmp_path):
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "megatron_rlvr.data.tool_arithmetic",
+            str(tmp_path),
+            "train_prompts=10",
+            "sft_traces=10",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "heldout.jsonl",
+        "sft-direct.jsonl",
+        "sft.jsonl",
+        "train.jsonl",
+    ]
