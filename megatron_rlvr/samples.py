@@ -9,6 +9,22 @@ import numpy as np
 
 
 @dataclass
+class EpisodeStats:
+    """How an episode (agent/) went: model turns, tool calls (and how many were errors), the
+    seconds its tools ran, prefix breaks, why it ended (answer | max_turns | length | budget |
+    prefix_break | abort), each tool's reward, and the final model turn's text."""
+
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    tool_s: float = 0.0
+    prefix_breaks: int = 0
+    ended: str = ""
+    tool_rewards: list[float] = field(default_factory=list)
+    final_text: str = ""
+
+
+@dataclass
 class Sample:
     prompt_id: str
     group_id: str
@@ -25,10 +41,15 @@ class Sample:
     # an episode (agent/): 1 on tokens the model sampled, 0 on tool turns and template
     # boundaries (never scored or trained); None: every response token was sampled
     loss_mask: list[int] | None = None
+    episode: EpisodeStats | None = None  # an episode's turns and tools (None: one answer)
 
     def sampled_mask(self) -> list[int]:
         """1 per response token the model sampled (all of them unless loss_mask says otherwise)."""
         return self.loss_mask if self.loss_mask is not None else [1] * len(self.response_ids)
+
+    def sampled_tokens(self) -> int:
+        """The response's length as the model generated it (an episode's tool turns excluded)."""
+        return sum(self.sampled_mask())
 
     def token_versions(self) -> list[int]:
         """The policy version that computed each response token, from the engine's spans (a
