@@ -122,3 +122,68 @@ def test_the_command_writes_the_files_the_configs_name(tmp_path):
         "sft.jsonl",
         "train.jsonl",
     ]
+
+
+def test_a_worked_trace_renders_to_the_ids_an_episode_produces(tmp_path):
+    """The cold start trains on what RL samples: a trace (tool call in OpenAI layout) through the
+    demo's template gives exactly the ids of an episode that writes the same call as text, gets
+    the same result as its tool turn, and answers alike."""
+    from megatron_rlvr.agent.render import TurnRenderer, check_template
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.data.arithmetic import build_arithmetic_tokenizer
+
+    cfg = load_config(REPO / "configs" / "tool-calculator-sft-cpu.yaml")
+    tokenizer = build_arithmetic_tokenizer(tmp_path, cfg.model.tokenizer_chars)
+    template = (REPO / cfg.data.chat_template).read_text()
+    renderer = TurnRenderer(tokenizer, chat_template=template)
+    check_template(renderer)
+    trace = worked_traces(ToolArithmetic(sft_traces=1, slip_rate=0.0))[0]
+    user, call, tool, answer = trace
+    arguments = json.dumps(call["tool_calls"][0]["function"]["arguments"])
+    call_text = f'<tool_call>{{"name": "calculator", "arguments": {arguments}}}</tool_call>'
+
+    def text_ids(text: str) -> list[int]:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert tokenizer.unk_token_id not in ids, text  # every character the task writes is in the vocabulary
+        return ids
+
+    turn1 = text_ids(call_text) + [tokenizer.eos_token_id]
+    bridge = renderer.bridge([user], call_text, [tool], turn1)
+    assert bridge.broken is None and bridge.boundary == 0
+    episode = renderer.prompt([user]) + turn1 + bridge.ids + text_ids(answer["content"]) + [tokenizer.eos_token_id]
+    rendered = tokenizer.apply_chat_template(trace, tokenize=True, return_dict=False, chat_template=template)
+    assert episode == rendered
+    assert (
+        len(rendered) <= cfg.sft.max_tokens
+        and len(rendered) - len(renderer.prompt([user])) <= cfg.rollout.max_new_tokens
+    )
+
+
+def test_the_benchmark_runs_episodes_with_slow_tools_and_ends_with_its_ratio(tmp_path):
+    """benchmarks/multi_turn.py, tiny: 4 episodes of the scripted model (a calculator call every
+    turn), tools of 0 and 50 ms, both pools; the table and the last line `ratio: X`."""
+    from agent_scripted import build_scripted_model
+
+    model = build_scripted_model(tmp_path / "model")
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": [{"role": "user", "content": "What is 12*34?"}]}) + "\n")
+    args = ["--model", str(model), "--data", str(data), "--chat-template", "", "--episodes", "4", "--concurrency", "4"]
+    args += ["--delays", "0", "0.05", "--max-turns", "3", "--max-new-tokens", "100"]
+    done = subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "multi_turn.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    lines = done.stdout.strip().splitlines()
+    rows = [line.split(" | ") for line in lines if line.startswith("| ") and "ms" in line]
+    assert [(r[0], r[1]) for r in rows] == [
+        ("| 0 ms", "concurrent"),
+        ("| 0 ms", "one at a time"),
+        ("| 50 ms", "concurrent"),
+        ("| 50 ms", "one at a time"),
+    ]
+    assert all(r[4] == "2.00" and r[5] == "3.00" for r in rows)  # two calls, the third turn's past max_turns
+    assert lines[-1].startswith("ratio: ") and float(lines[-1].split()[1]) > 0
