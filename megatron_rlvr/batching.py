@@ -1,5 +1,12 @@
 """Scored groups → the learner's batch: tokens right-padded, response masks, rollout
-logprobs and policy versions at their token positions, group-relative advantages, and (R3) the engine's routing."""
+logprobs and policy versions at their token positions, group-relative advantages, and (R3) the engine's routing.
+
+An episode's response holds tokens the model did not sample (tool turns, the template's
+boundaries around them: Sample.loss_mask 0). They stay in the sequence, since the later turns
+were generated after them, but the batch's response mask is 0 there, so they enter no loss,
+entropy, KL, off-policy metric or normaliser (every consumer in algo/ and learner/ reads the
+mask); their rollout logprob is 0 and their policy version -1 (none), so they count as no
+stale token either. A response's length is its sampled tokens."""
 
 from __future__ import annotations
 
@@ -10,7 +17,7 @@ import torch
 from megatron_rlvr.algo.baselines import AdvantageOptions, EmaBaselines, advantages_of_groups
 from megatron_rlvr.learner.batch import TrainBatch
 from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, pack_routed_experts
-from megatron_rlvr.samples import Group
+from megatron_rlvr.samples import Group, Sample
 
 
 def groups_to_batch(
@@ -37,10 +44,13 @@ def groups_to_batch(
     for row, s in enumerate(samples):
         tokens = s.prompt_ids + s.response_ids
         start, end = len(s.prompt_ids), len(tokens)
+        sampled = sampled_positions(s)
         ids[row, :end] = torch.tensor(tokens)
-        mask[row, start:end] = 1
-        rollout[row, start:end] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
-        versions[row, start:end] = torch.tensor(s.token_versions(), dtype=torch.long)
+        mask[row, start:end] = sampled.float()
+        logprobs = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        rollout[row, start:end] = torch.where(sampled, logprobs, torch.zeros_like(logprobs))
+        token_versions = torch.tensor(s.token_versions(), dtype=torch.long)
+        versions[row, start:end] = torch.where(sampled, token_versions, torch.full_like(token_versions, -1))
     rewards = [torch.tensor([s.reward for s in g.samples], dtype=torch.float32) for g in groups]
     advantages = torch.cat(advantages_of_groups(rewards, advantage, prompt_ids=[g.prompt_id for g in groups], ema=ema))
     batch = TrainBatch(ids, mask, advantages=advantages, rollout_logprobs=rollout, token_versions=versions)
@@ -58,6 +68,20 @@ def groups_to_batch(
             sample_ids=[f"{s.group_id}/{s.index}" for s in samples],
         )
     return spread_over_slots(batch, slots, micro_batch_size)
+
+
+def sampled_positions(sample: Sample) -> torch.Tensor:
+    """[response tokens] bool: the tokens the model sampled (Sample.sampled_mask), checked
+    against the response it describes."""
+    where = f"sample {sample.group_id}/{sample.index}"
+    if len(sample.rollout_logprobs) != len(sample.response_ids):
+        raise ValueError(
+            f"{where}: {len(sample.rollout_logprobs)} rollout logprobs for {len(sample.response_ids)} response tokens"
+        )
+    marks = sample.sampled_mask()
+    if len(marks) != len(sample.response_ids) or any(m not in (0, 1) for m in marks):
+        raise ValueError(f"{where}: loss_mask must hold one 0 or 1 per response token ({len(sample.response_ids)})")
+    return torch.tensor(marks, dtype=torch.bool)
 
 
 def spread_over_slots(batch: TrainBatch, slots: int, micro_batch_size: int | None) -> TrainBatch:
@@ -88,13 +112,21 @@ def spread_over_slots(batch: TrainBatch, slots: int, micro_batch_size: int | Non
 
 
 def response_length_metrics(groups: list[Group]) -> dict[str, float]:
-    """Response lengths (tokens) of the samples a step trains on: mean, median, p95, max, and
-    the fraction cut at rollout.max_new_tokens."""
+    """Response lengths of the samples a step trains on, in tokens the model sampled (an
+    episode's tool turns are not its response's length): mean, median, p95, max, and the
+    fraction truncated (finish_reason "length": cut at rollout.max_new_tokens, or an episode
+    whose last turn was cut). With episodes, also the mean of their tokens the model did not
+    sample (tool turns and template boundaries)."""
     samples = [s for g in groups for s in g.samples]
     if not samples:
         return {}
-    lengths = sorted(len(s.response_ids) for s in samples)
+    lengths = sorted(sum(s.sampled_mask()) for s in samples)
+    episodes = {}
+    if any(s.loss_mask is not None for s in samples):
+        unsampled = sum(len(s.response_ids) - sum(s.sampled_mask()) for s in samples)
+        episodes["response_length/unsampled_mean"] = unsampled / len(samples)
     return {
+        **episodes,
         "response_length/mean": sum(lengths) / len(lengths),
         "response_length/p50": float(lengths[(len(lengths) - 1) // 2]),
         "response_length/p95": float(lengths[round(0.95 * (len(lengths) - 1))]),

@@ -100,7 +100,7 @@ class Evaluator:
             rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
             results[index] = (
                 rewards,
-                [len(s.response_ids) for s in group.samples],
+                [sum(s.sampled_mask()) for s in group.samples],  # an episode's tool turns are no length
                 [s.finish_reason == "length" for s in group.samples],
             )
 

@@ -72,8 +72,8 @@ def test_conversations_load_from_messages_and_prompt_response_files(tmp_path):
             }
         }
     )
-    assert load_conversations(messages, 0) == [rows[0]["messages"]]
-    assert load_conversations(pairs, 0) == [
+    assert [c.messages for c in load_conversations(messages, 0)] == [rows[0]["messages"]]
+    assert [c.messages for c in load_conversations(pairs, 0)] == [
         [{"role": "user", "content": "3%2="}, {"role": "assistant", "content": "3-2=1 #### 1"}]
     ]
     (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n")

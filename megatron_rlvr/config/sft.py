@@ -4,7 +4,7 @@ Only the sft command reads it; `train` ignores it."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -27,7 +27,8 @@ class SftLongAnswers(LongAnswerSource):
 
 class SftFile(Section):
     """Conversations from JSONL or Parquet files: a `messages` list (verl's multi-turn SFT
-    layout) whose assistant turns are trained, or a prompt and a response column."""
+    layout, OpenAI's message layout: assistant tool_calls and tool turns included) whose
+    assistant turns are trained, or a prompt and a response column; tools per row or for all."""
 
     type: Literal["file"] = Field("file", description="file: conversations from JSONL or Parquet files")
     path: str | list[str] = Field(description="a .jsonl or .parquet file, or a list of them")
@@ -39,6 +40,16 @@ class SftFile(Section):
     messages_key: str = Field("messages", description="the messages column (format messages), dotted")
     prompt_key: str = Field("prompt", description="the prompt column (format prompt_response), dotted")
     response_key: str = Field("response", description="the response column (format prompt_response), dotted")
+    tools_key: str = Field(
+        "tools",
+        description="the column of a row's tools (OpenAI function schemas, or their JSON text) that the chat "
+        "template is given, dotted; a row without it takes sft.data.tools",
+    )
+    tools: list[dict[str, Any]] | None = Field(
+        None,
+        description="tools (OpenAI function schemas: {type: function, function: {name, description, "
+        "parameters}}) for every row that has none of its own",
+    )
 
     @property
     def paths(self) -> list[str]:

@@ -57,6 +57,22 @@ class PromptRenderer:
             messages[last]["content"] = f"{messages[last]['content']} {self.fmt.instruction}"
         return messages
 
+    def render(self, messages: list[dict], *, generation_prompt: bool, tools: list[dict] | None = None) -> list[int]:
+        """One conversation's ids through the chat template, with `tools` (OpenAI function
+        schemas) given to it as HF's apply_chat_template gives them: the template decides how
+        they, assistant tool_calls and tool turns render."""
+        return list(
+            self.tokenizer.apply_chat_template(
+                messages,
+                tools=tools,
+                add_generation_prompt=generation_prompt,
+                tokenize=True,
+                return_dict=False,
+                chat_template=self.template,
+                **self.fmt.chat_template_kwargs,
+            )
+        )
+
     def _ids(self, conversations: list[list[dict]]) -> list[list[int]]:
         if self.chat:
             return self.tokenizer.apply_chat_template(
