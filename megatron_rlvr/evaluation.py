@@ -5,7 +5,9 @@ seeds are never touched, so a seeded run trains on the same groups with evaluati
 
 Per set: pass@1 and pass@k (the unbiased estimator of Chen et al. 2021, a sample counts as
 correct when its reward is at least 1), avg@n (mean reward over all n samples of every prompt),
-mean response length in tokens and the fraction of responses cut at max_new_tokens. A group the
+mean response length in tokens (an episode's sampled tokens: tool turns excluded) and the fraction
+of responses cut at max_new_tokens. With an agent, every prompt is an episode whose final model
+turn is scored. A group the
 engines failed (error, abort, timeout) counts as all wrong, and eval/<set>/failed says how many."""
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from megatron_rlvr.data.chat import EncodedPrompts
 from megatron_rlvr.data.records import PromptRecord
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
+from megatron_rlvr.rollout.sampler import answer_text
 
 
 def pass_at_k(n: int, c: int, k: int) -> float:
@@ -49,11 +52,14 @@ class Evaluator:
         decode: Callable[[list[int]], str],
         stop_token_ids: list[int] | None,
         max_in_flight: int = 64,
+        messages: Callable[[PromptRecord], list[dict]] | None = None,
     ):
-        """score(responses, record, count=False) → rewards: the run's verifier pool."""
+        """score(responses, record, count=False) → rewards: the run's verifier pool. messages:
+        a record's conversation, when the manager runs groups as episodes (its agent)."""
         e = cfg.eval
         self.cfg, self.sets, self.manager, self.score, self.decode = e, sets, manager, score, decode
         self.last_step, self.seeded, self.max_in_flight = cfg.trainer.steps, cfg.rollout.seeded_sampling, max_in_flight
+        self.messages = messages if manager.agent is not None else None
         self.sampling = p.SamplingParams(
             max_new_tokens=e.max_new_tokens or cfg.rollout.max_new_tokens,
             temperature=e.temperature,
@@ -97,10 +103,13 @@ class Evaluator:
         failed = 0
 
         async def score(index: int, record: PromptRecord, group) -> None:
-            rewards = await self.score([self.decode(s.response_ids) for s in group.samples], record, count=False)
+            answers = [answer_text(s, self.decode) for s in group.samples]
+            rewards = await self.score(answers, record, count=False)
+            if self.manager.agent is not None:
+                rewards = [self.manager.agent.reward(r, s) for r, s in zip(rewards, group.samples)]
             results[index] = (
                 rewards,
-                [sum(s.sampled_mask()) for s in group.samples],  # an episode's tool turns are no length
+                [s.sampled_tokens() for s in group.samples],
                 [s.finish_reason == "length" for s in group.samples],
             )
 
@@ -111,6 +120,8 @@ class Evaluator:
                 item = PromptItem(
                     record.prompt_id, eval_set.prompts.encode(record), seed=self._seed(eval_set.name, record.prompt_id)
                 )
+                if self.messages is not None:  # an episode renders its own prompt, tools included
+                    item.messages, item.extra = self.messages(record), record.extra
                 submitted[self.manager.submit(item, sampling=self.sampling, to=queue)] = next_index
                 next_index += 1
             try:
@@ -166,4 +177,4 @@ def build_evaluator(
         EvalSet(name, renderer.encode(loaded[f"eval.sets.{name}"].records, what=f"eval.sets.{name}"))
         for name in cfg.eval.sets
     ]
-    return Evaluator(cfg, sets, manager, score, decode, stop_token_ids)
+    return Evaluator(cfg, sets, manager, score, decode, stop_token_ids, messages=renderer.messages)

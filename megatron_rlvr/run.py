@@ -387,6 +387,7 @@ def _start(run: Run, placement: Placement) -> None:
 
     cfg, tokenizer = run.cfg, run.tokenizer
     loaded, renderer, train = _prompts(run)  # bad data stops the run before any engine starts
+    agent = _agent(run, renderer)  # so do tools that cannot load and a template episodes cannot use
     api_key = secrets.token_urlsafe(32)  # this run's engines answer only requests that carry it
     run.engines = EngineFleet(cfg, run.model_dir, placement, api_key)
     urls = run.engines.start(run.stop)
@@ -407,7 +408,11 @@ def _start(run: Run, placement: Placement) -> None:
         return await asyncio.to_thread(run.engines.restart, engine)
 
     run.manager = RolloutManager(
-        run.clients, sampling, restart=restart, routing=RoutingShape(*shape, num_experts) if shape else None
+        run.clients,
+        sampling,
+        restart=restart,
+        routing=RoutingShape(*shape, num_experts) if shape else None,
+        agent=agent,
     )
     run.buffer = placement.place(
         Role.SERVICE, Buffer, zero_std_eps=cfg.buffer.zero_std_eps, max_staleness=cfg.buffer.max_staleness
@@ -439,8 +444,25 @@ def _start(run: Run, placement: Placement) -> None:
         decode=decode,
         in_flight=cfg.rollout.updates == "in_flight",
         group_sizes=sizes,
+        messages=renderer.messages if agent is not None else None,
     )
     run.evaluator = build_evaluator(cfg, renderer, run.manager, run.verifiers, decode, sampling.stop_token_ids, loaded)
+
+
+def _agent(run: Run, renderer):
+    """The agent section's tools, parser and renderer (None: single-turn rollouts)."""
+    if run.cfg.agent is None:
+        return None
+    from megatron_rlvr.agent.runner import AgentRunner
+    from megatron_rlvr.learner.model import read_hf_config
+
+    return AgentRunner(
+        run.cfg.agent,
+        run.tokenizer,
+        model_type=read_hf_config(run.model_dir).model_type,
+        chat_template=renderer.template,
+        template_kwargs=run.cfg.data.chat_template_kwargs,
+    )
 
 
 def _prompts(run: Run) -> tuple:

@@ -102,3 +102,9 @@ def build_scripted_model(out_dir: Path) -> Path:
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     return out_dir
+
+
+# the same template keeping past turns as they were: what an episode can run with
+STRIP = "{% if not loop.last and '</think>' in c %}{% set c = c.split('</think>')[-1].lstrip('\n') %}{% endif %}"
+KEEP_TEMPLATE = CHAT_TEMPLATE.replace(STRIP, "")
+assert KEEP_TEMPLATE != CHAT_TEMPLATE

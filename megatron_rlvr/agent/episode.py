@@ -62,9 +62,13 @@ class Episode:
         tokenizer,
         generate: Generate,
         decode_routing: DecodeRouting | None = None,
+        aborted: Callable[[], bool] = lambda: False,
     ):
+        """aborted(): asked before each turn after the first; True ends the episode as aborted
+        (the rollout was aborted while its tools ran)."""
         self.renderer, self.parser, self.pool, self.settings = renderer, parser, pool, settings
         self.tokenizer, self.generate, self.decode_routing = tokenizer, generate, decode_routing
+        self.aborted = aborted
         self.schemas = {tool.name: tool.schema() for tool in pool.tools.values()}
         self.turns: list[Turn] = []
 
@@ -136,13 +140,16 @@ class Episode:
             if len(response) + len(bridge.ids) >= budget:
                 stats.ended = "length"
                 break
+            if self.aborted():
+                stats.ended = "abort"
+                break
             history += [{"role": "assistant", "content": text}, *tool_messages]
             response += bridge.ids
             mask += [0] * len(bridge.ids)
             logprobs += [0.0] * len(bridge.ids)
             ids += bridge.ids
         assert last is not None
-        finish = "length" if stats.ended == "length" else last.meta_info.finish_reason.type
+        finish = stats.ended if stats.ended in ("length", "abort") else last.meta_info.finish_reason.type
         routed = None
         if self.decode_routing is not None:
             routed = self.decode_routing(last.meta_info, f"{group_id}/{index}")

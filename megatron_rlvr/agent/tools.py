@@ -265,7 +265,7 @@ class PythonTool(Tool):
         [outcome] = answer["tests"]
         status = outcome.get("status")
         output = outcome.get("output", "")
-        if status == "passed" or status == "ok":
+        if status == "ran":
             return ToolResult(output)
         detail = outcome.get("detail") or outcome.get("error") or ""
         return ToolResult(f"{output}error: {status} {detail}".strip(), error=True)

@@ -8,6 +8,7 @@ from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
+from megatron_rlvr.config.agent import AgentConfig
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
 from megatron_rlvr.config.data import ArithmeticData, EvalConfig, FileData, LongAnswerData, VerifierConfig
@@ -599,3 +600,4 @@ class Config(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="where metrics go")
     launch: LaunchConfig = Field(default_factory=LaunchConfig, description="where the components run")
     sft: SftConfig | None = Field(None, description="supervised fine-tuning (the sft command); train ignores it")
+    agent: AgentConfig | None = Field(None, description="multi-turn episodes with tool calls; None: one answer each")

@@ -17,14 +17,23 @@ import uuid
 from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
+from megatron_rlvr.agent.tools import ToolInfraError
 from megatron_rlvr.loop_metrics import BusyClock
 from megatron_rlvr.rollout import protocol as p
 from megatron_rlvr.rollout.client import EngineClient, EngineRequestError, EngineUnavailable
 from megatron_rlvr.rollout.routed_experts import RoutedExpertsError, decode_routed_experts
 from megatron_rlvr.samples import Group, Sample
 
+if TYPE_CHECKING:
+    from megatron_rlvr.agent.runner import AgentRunner
+
 log = logging.getLogger(__name__)
+
+
+class GroupFailed(RuntimeError):
+    """A group's request could not be served (its message says why)."""
 
 
 class EnginesNeedWeights(RuntimeError):
@@ -47,6 +56,8 @@ class PromptItem:
     input_ids: list[int]
     answer: str | None = None
     seed: int | None = None  # sampling seed of the group (the engine derives one per sample)
+    messages: list[dict] | None = None  # the conversation, for an episode (agent on): it renders its own prompt
+    extra: dict | None = None  # the record's extra_info (tools_kwargs)
 
 
 class RolloutManager:
@@ -59,11 +70,13 @@ class RolloutManager:
         max_attempts: int = 3,
         restart: Callable[[int], Awaitable[str | None]] | None = None,
         serving_wait_s: float = 1800.0,
+        agent: AgentRunner | None = None,
     ):
         """restart(engine) brings a dead engine's server back and says how the old one ended
         (None: it was alive, only slow, and was left alone). max_attempts: failures a group
         may meet before it fails. serving_wait_s: how long a group waits for an engine to
-        serve again when none does (restart, then the learner's weights)."""
+        serve again when none does (restart, then the learner's weights). agent: groups of
+        prompts with messages run as episodes (agent/)."""
         if not clients:
             raise ValueError("the rollout manager needs at least one engine")
         self.clients = clients
@@ -72,6 +85,8 @@ class RolloutManager:
         self.max_attempts = max_attempts
         self.restart = restart
         self.serving_wait_s = serving_wait_s
+        self.agent = agent
+        self._aborts = 0  # abort_all calls: an episode started before one ends at its next turn
         self.finished: asyncio.Queue[Group] = asyncio.Queue()
         self.stats: Counter[str] = Counter()  # moved (to another engine), retried (same engine), failed, aborted
         self._tasks: set[asyncio.Task] = set()
@@ -130,7 +145,9 @@ class RolloutManager:
         raise TimeoutError(f"no group finished within {timeout_s} s")
 
     async def abort_all(self) -> None:
-        """Aborts every outstanding request; their groups arrive marked aborted."""
+        """Aborts every outstanding request; their groups arrive marked aborted (an episode
+        running tools ends before its next turn)."""
+        self._aborts += 1
         await asyncio.gather(*(c.abort(abort_all=True) for c in self.clients if c.healthy), return_exceptions=True)
 
     def _serving(self) -> list[int]:
@@ -154,6 +171,9 @@ class RolloutManager:
     async def _run_group(
         self, item: PromptItem, group_id: str, n: int, sampling: p.SamplingParams, finished: asyncio.Queue
     ) -> None:
+        if self.agent is not None and item.messages is not None:
+            await finished.put(await self._run_episodes(item, group_id, n, sampling))
+            return
         request = p.GenerateReqInput(
             input_ids=item.input_ids,
             rid=group_id,
@@ -161,7 +181,28 @@ class RolloutManager:
             sampling_params=sampling.model_copy(update={"n": n, "sampling_seed": item.seed}),
             return_routed_experts=self.routing is not None,
         )
-        failures, engine, error = 0, self._pick(), "no engine available"
+        try:
+            responses, engine = await self._generate(request, group_id)
+            group = self._group(item, group_id, responses, engine)
+        except (GroupFailed, RoutedExpertsError) as err:
+            await finished.put(self._failed(item, group_id, str(err)))
+            return
+        self.stats["aborted"] += group.aborted
+        await finished.put(group)
+
+    def _failed(self, item: PromptItem, group_id: str, error: str) -> Group:
+        self.stats["failed"] += 1
+        log.error("group %s failed: %s", group_id, error)
+        return Group(item.prompt_id, group_id, [], item.answer, error=error)
+
+    async def _generate(
+        self, request: p.GenerateReqInput, group_id: str, engine: int | None = None
+    ) -> tuple[list[p.GenerateResponse], int]:
+        """The engine's answer to one request and the engine that gave it, with the failover
+        the module describes; GroupFailed once max_attempts connection failures are spent, an
+        engine refuses the request, or none serves within serving_wait_s."""
+        failures, error = 0, "no engine available"
+        engine = self._pick() if engine is None else engine
         while failures < self.max_attempts:
             if engine is None:
                 engine = await self._wait_for_a_serving_engine(group_id)
@@ -170,23 +211,90 @@ class RolloutManager:
             try:
                 self.busy[engine].start()
                 try:
-                    responses = await self.clients[engine].generate(request)
+                    return await self.clients[engine].generate(request), engine
                 finally:
                     self.busy[engine].stop()
-                group = self._group(item, group_id, responses, engine)
             except EngineUnavailable as err:
                 failures, error = failures + 1, str(err)
                 engine = await self._after_connection_failure(engine, group_id, err)
-                continue
-            except (EngineRequestError, RoutedExpertsError) as err:
-                error = str(err)
-                break
-            self.stats["aborted"] += group.aborted
-            await finished.put(group)
-            return
-        self.stats["failed"] += 1
-        log.error("group %s failed: %s", group_id, error)
-        await finished.put(Group(item.prompt_id, group_id, [], item.answer, error=error))
+            except EngineRequestError as err:
+                raise GroupFailed(str(err)) from None
+        raise GroupFailed(error)
+
+    async def _run_episodes(self, item: PromptItem, group_id: str, n: int, sampling: p.SamplingParams) -> Group:
+        """n independent episodes of one prompt, run concurrently; each turn's request has the
+        failover of a single-turn group. An episode whose tool machinery fails is run again,
+        up to agent.max_episode_attempts times; then the group fails (counted as tool_failed)."""
+        assert self.agent is not None
+        agent = self.agent
+        assert item.messages is not None
+        messages = item.messages
+        sampling = sampling.model_copy(update={"sampling_seed": item.seed})
+        aborts = self._aborts
+
+        async def one(index: int) -> Sample:
+            engine: int | None = None  # an episode's turns stay on one engine (its prefix cache)
+
+            async def generate(request: p.GenerateReqInput) -> p.GenerateResponse:
+                nonlocal engine
+                responses, engine = await self._generate(request, group_id, engine)
+                return responses[0]
+
+            for attempt in range(1, agent.cfg.max_episode_attempts + 1):
+                try:
+                    episode = agent.episode(
+                        generate,
+                        self._decode_routing if self.routing else None,
+                        aborted=lambda: self._aborts != aborts,
+                    )
+                    sample = await episode.run(
+                        messages,
+                        sampling,
+                        extra=item.extra,
+                        rid=f"{group_id}-{index}",
+                        prompt_id=item.prompt_id,
+                        group_id=group_id,
+                        index=index,
+                    )
+                except ToolInfraError as err:
+                    self.stats["tool_retried"] += attempt < agent.cfg.max_episode_attempts
+                    log.warning(
+                        "group %s episode %d: tool machinery failed (try %d): %s", group_id, index, attempt, err
+                    )
+                    if attempt == agent.cfg.max_episode_attempts:
+                        self.stats["tool_failed"] += 1
+                        raise GroupFailed(f"the tools failed {attempt} times: {err}") from None
+                    continue
+                sample.engine = self.clients[engine].base_url if engine is not None else ""
+                return sample
+            raise AssertionError("unreachable")
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
+        try:
+            samples = await asyncio.gather(*tasks)
+        except (GroupFailed, RoutedExpertsError) as err:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            return self._failed(item, group_id, str(err))
+        group = Group(item.prompt_id, group_id, list(samples), item.answer)
+        group.aborted = any(s.finish_reason == "abort" for s in samples)
+        self.stats["aborted"] += group.aborted
+        return group
+
+    def _decode_routing(self, meta: p.MetaInfo, label: str):
+        assert self.routing is not None
+        if meta.routed_experts is None:
+            raise RoutedExpertsError(
+                f"sample {label}: the engine returned no routed_experts (start it with --enable-return-routed-experts)"
+            )
+        return decode_routed_experts(
+            meta.routed_experts,
+            num_layers=self.routing.num_layers,
+            top_k=self.routing.top_k,
+            num_experts=self.routing.num_experts,
+            sample=label,
+        )
 
     async def _after_connection_failure(self, engine: int, group_id: str, err: Exception) -> int | None:
         """Where a group goes after its request to `engine` failed at the connection level:
@@ -211,20 +319,7 @@ class RolloutManager:
         samples = []
         for index, response in enumerate(responses):
             meta = response.meta_info
-            routed = None
-            if self.routing is not None:
-                if meta.routed_experts is None:
-                    raise RoutedExpertsError(
-                        f"sample {group_id}/{index}: the engine returned no "
-                        "routed_experts (start it with --enable-return-routed-experts)"
-                    )
-                routed = decode_routed_experts(
-                    meta.routed_experts,
-                    num_layers=self.routing.num_layers,
-                    top_k=self.routing.top_k,
-                    num_experts=self.routing.num_experts,
-                    sample=f"{group_id}/{index}",
-                )
+            routed = self._decode_routing(meta, f"{group_id}/{index}") if self.routing is not None else None
             samples.append(
                 Sample(
                     prompt_id=item.prompt_id,

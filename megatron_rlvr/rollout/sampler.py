@@ -40,7 +40,7 @@ from megatron_rlvr.data import PromptRecord
 from megatron_rlvr.errors import UserError
 from megatron_rlvr.rollout.manager import PromptItem, RolloutManager
 from megatron_rlvr.rollout.prompt_history import PromptHistory
-from megatron_rlvr.samples import Group
+from megatron_rlvr.samples import Group, Sample
 
 if TYPE_CHECKING:
     from megatron_rlvr.config.resolve import ResolvedRollout
@@ -95,6 +95,37 @@ class GroupSizes:
         return min(self.first, self.last)
 
 
+def answer_text(sample: Sample, decode: Callable[[list[int]], str]) -> str:
+    """What the verifier scores: an episode's final model turn, or the whole response."""
+    return sample.episode.final_text if sample.episode is not None else decode(sample.response_ids)
+
+
+class EpisodeTally:
+    """Episode figures of the samples scored since the last take() (agent/... metrics)."""
+
+    def __init__(self) -> None:
+        self.samples: list[Sample] = []
+
+    def add(self, sample: Sample) -> None:
+        if sample.episode is not None:
+            self.samples.append(sample)
+
+    def take(self) -> dict[str, float]:
+        samples, self.samples = self.samples, []
+        if not samples:
+            return {}
+        stats = [s.episode for s in samples if s.episode is not None]
+        return {
+            "agent/turns_mean": sum(e.turns for e in stats) / len(stats),
+            "agent/tool_calls": sum(e.tool_calls for e in stats),
+            "agent/tool_errors": sum(e.tool_errors for e in stats),
+            "agent/tool_s": sum(e.tool_s for e in stats),
+            "agent/prefix_breaks": sum(e.prefix_breaks for e in stats),
+            "agent/truncated": sum(s.finish_reason == "length" for s in samples) / len(samples),
+            "agent/max_turns_reached": sum(e.ended == "max_turns" for e in stats) / len(stats),
+        }
+
+
 class ActiveSampler:
     def __init__(
         self,
@@ -114,13 +145,17 @@ class ActiveSampler:
         history: PromptHistory | None = None,
         in_flight: bool = False,
         group_sizes: GroupSizes | None = None,
+        messages: Callable[[PromptRecord], list[dict]] | None = None,
     ):
         """buffer: a Buffer, or a proxy with the same async methods (the Ray actor).
         max_groups: groups one fill may generate; min_groups: the fewest useful groups a
         (short) batch may have. history: each prompt's recent outcomes, and which to skip.
-        group_sizes: samples per prompt by step (None: the manager's sampling n)."""
+        group_sizes: samples per prompt by step (None: the manager's sampling n). messages: a
+        record's conversation, given when groups run as episodes (the manager's agent)."""
         self.manager, self.buffer, self.score = manager, buffer, score
         self.prompts, self.encode, self.decode = prompts, encode, decode
+        self.messages = messages
+        self.episodes = EpisodeTally()
         self._by_id = {r.prompt_id: r for r in prompts}  # a finished group's record, for its verifier
         self.seed, self.seeded, self.max_in_flight = seed, seeded, max_in_flight
         self.max_failed_in_a_row, self._failed_in_a_row = max_failed_in_a_row, 0
@@ -187,7 +222,10 @@ class ActiveSampler:
 
     def _submit(self, record: PromptRecord, size: int | None, seed_offset: int) -> str:
         seed = (self.seed * 1_000_003 + seed_offset) % 2**62 if self.seeded else None
-        group_id = self.manager.submit(PromptItem(record.prompt_id, self.encode(record), seed=seed), size)
+        item = PromptItem(record.prompt_id, self.encode(record), seed=seed)
+        if self.messages is not None:
+            item.messages, item.extra = self.messages(record), record.extra
+        group_id = self.manager.submit(item, size)
         self._pending.append(group_id)
         self._prompt_of[group_id] = record.prompt_id
         self._generated += 1
@@ -264,11 +302,14 @@ class ActiveSampler:
         rewards: list[float] = []
         if group.samples and group.error is None:
             rewards = await self.score(
-                [self.decode(s.response_ids) for s in group.samples], self._by_id[group.prompt_id]
+                [answer_text(s, self.decode) for s in group.samples], self._by_id[group.prompt_id]
             )
+            if self.manager.agent is not None:
+                rewards = [self.manager.agent.reward(r, s) for r, s in zip(rewards, group.samples)]
             for sample, reward in zip(group.samples, rewards):
                 sample.reward = reward
-                self.tokens += len(sample.response_ids)
+                self.tokens += sample.sampled_tokens()
+                self.episodes.add(sample)
             self.rewards.extend(rewards)
         async with self._filing:
             verdict = await self.buffer.put(group)
@@ -335,6 +376,7 @@ class ActiveSampler:
             "buffer/short_batches": self.short_batches,
             **({"rollout/group_size": sum(sizes) / len(sizes)} if sizes else {}),
             **(resamples if self.group_sizes and self.group_sizes.resample else {}),
+            **self.episodes.take(),
         }
 
     def take_rewards(self) -> tuple[list[float], int]:
