@@ -2,10 +2,10 @@
 can answer by calling the `calculator` tool with the problem's expression and copying its
 result into GSM8K's `#### N`, which the math verifier reads:
 
-    user       "4721*386="
-    assistant  tool call calculator(expression="4721*386")
-    tool       "1822306"
-    assistant  "#### 1822306"
+    user       "472*386="
+    assistant  tool call calculator(expression="472*386")
+    tool       "182192"
+    assistant  "#### 182192"
 
 worked_traces() writes such conversations for the supervised cold start (OpenAI message layout:
 `tool_calls` on the assistant turn, a `tool` turn with the result), a share of them with one
@@ -41,10 +41,10 @@ class ToolArithmetic:
     """The task's settings: operands of min_digits..max_digits digits, products with
     probability product_share (else sums); slip_rate of the cold-start traces have one slip."""
 
-    min_digits: int = 3
-    max_digits: int = 4
+    min_digits: int = 2
+    max_digits: int = 3
     product_share: float = 0.75
-    slip_rate: float = 0.5
+    slip_rate: float = 0.75
     train_prompts: int = 4096
     sft_traces: int = 4096
     heldout_prompts: int = 64
