@@ -144,6 +144,8 @@ async def run_all(args) -> dict[tuple[float, str], dict]:
         ).start(ready_timeout_s=300)
         client = EngineClient(engine.url)
         try:
+            # one untimed round first: the engine's first requests are slower (allocation, caches)
+            await measure(client, tokenizer, template, prompts[: args.concurrency], args, 0.0, args.concurrency)
             results = {}
             for delay in args.delays:
                 for pool in POOLS:
