@@ -84,6 +84,10 @@ def test_a_three_turn_episode_is_token_in_token_out(scripted):
     assert tokenizer.decode(full[len(turns[0].input_ids) + len(turns[0].output_ids) : len(turns[1].input_ids)]) == (
         tool_turn
     )
+    # and the template's rendering of the whole conversation so far is exactly the last input
+    said = sample.episode.final_text
+    conversation = QUESTION + [{"role": "assistant", "content": said}, {"role": "tool", "content": "408"}] * 2
+    assert episode.renderer.render(conversation, generation_prompt=True) == turns[-1].input_ids
     # mask 1 exactly on sampled tokens; tool and boundary tokens are not the response's length
     sampled = [i for t in turns for i in t.output_ids]
     assert [tok for tok, m in zip(sample.response_ids, sample.loss_mask) if m] == sampled

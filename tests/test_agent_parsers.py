@@ -7,7 +7,7 @@ import subprocess
 import pytest
 from engine_fixtures import sglang_python
 
-from megatron_rlvr.agent.parsers import ToolFormatError, parse_glm45, parse_hermes, parser_for
+from megatron_rlvr.agent.parsers import ToolFormatError, parse_deepseekv3, parse_glm45, parse_hermes, parser_for
 
 SCHEMAS = {
     "calculator": {
@@ -49,6 +49,21 @@ GLM = [
     "no call here",
 ]
 
+B, E, CB, CE, SEP = (
+    "<｜tool▁calls▁begin｜>",
+    "<｜tool▁calls▁end｜>",
+    "<｜tool▁call▁begin｜>",
+    "<｜tool▁call▁end｜>",
+    "<｜tool▁sep｜>",
+)
+DEEPSEEK = [
+    f'Sure.{B}{CB}function{SEP}calculator\n```json\n{{"expression": "12*34"}}\n```{CE}{E}',
+    f'{B}{CB}function{SEP}search\n```json\n{{"query": "moe", "k": 2}}\n```{CE}\n'
+    f'{CB}function{SEP}calculator\n```json\n{{"expression": "1+1"}}\n```{CE}{E}',
+    "no call",
+    f'{B}{CB}function{SEP}calculator\n```json\n{{"expression": \n```{CE}{E}',  # bad JSON
+]
+
 
 def _calls(turn):
     return [(c.name, c.arguments) for c in turn.calls if c.error is None]
@@ -81,11 +96,24 @@ def test_glm45_reads_key_value_calls_typed_by_the_schema():
     assert parse_glm45(GLM[2], SCHEMAS).calls == []
 
 
+def test_deepseekv3_reads_calls_between_its_special_tokens():
+    first = parse_deepseekv3(DEEPSEEK[0])
+    assert first.content == "Sure." and _calls(first) == [("calculator", {"expression": "12*34"})]
+    assert _calls(parse_deepseekv3(DEEPSEEK[1])) == [
+        ("search", {"query": "moe", "k": 2}),
+        ("calculator", {"expression": "1+1"}),
+    ]
+    assert parse_deepseekv3(DEEPSEEK[2]).calls == []
+    [bad] = parse_deepseekv3(DEEPSEEK[3]).calls
+    assert bad.name == "calculator" and "not valid JSON" in bad.error
+
+
 def test_the_format_follows_the_family_or_is_refused():
     assert parser_for(None, "qwen3_moe") is parse_hermes and parser_for(None, "glm4_moe") is parse_glm45
     assert parser_for("glm45", "qwen3_moe") is parse_glm45
-    with pytest.raises(ToolFormatError, match="the deepseek_v3 family has no default tool-call format"):
-        parser_for(None, "deepseek_v3")
+    assert parser_for(None, "deepseek_v3") is parse_deepseekv3
+    with pytest.raises(ToolFormatError, match="the mixtral family has no default tool-call format"):
+        parser_for(None, "mixtral")
 
 
 SGLANG_PARSE = """
@@ -105,16 +133,20 @@ print(json.dumps(out))
 
 @pytest.mark.sglang
 def test_our_parsers_agree_with_sglangs_on_every_call_both_read():
-    cases = {"schemas": list(SCHEMAS.values()), "texts": {"hermes": HERMES, "glm45": GLM}}
+    cases = {"schemas": list(SCHEMAS.values()), "texts": {"hermes": HERMES, "glm45": GLM, "deepseekv3": DEEPSEEK}}
     done = subprocess.run(
         [sglang_python(), "-c", SGLANG_PARSE], input=json.dumps(cases), capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
     theirs = json.loads(done.stdout.strip().splitlines()[-1])
-    ours = [parse_hermes(t, SCHEMAS) for t in HERMES] + [parse_glm45(t, SCHEMAS) for t in GLM]
+    ours = (
+        [parse_hermes(t, SCHEMAS) for t in HERMES]
+        + [parse_glm45(t, SCHEMAS) for t in GLM]
+        + [parse_deepseekv3(t, SCHEMAS) for t in DEEPSEEK]
+    )
     assert len(theirs) == len(ours)
     same = 0
-    for text, mine, sglang in zip(HERMES + GLM, ours, theirs):
+    for text, mine, sglang in zip(HERMES + GLM + DEEPSEEK, ours, theirs):
         read, errors = _calls(mine), [c for c in mine.calls if c.error is not None]
         sglang = [(name, arguments) for name, arguments in sglang]
         # a call both read is read the same; the two differ only on turns that hold a malformed

@@ -4,6 +4,7 @@ fails the group, counted."""
 
 import asyncio
 import itertools
+import threading
 
 import pytest
 from agent_scripted import CALL, KEEP_TEMPLATE, build_scripted_model
@@ -124,3 +125,69 @@ def test_the_agent_section_is_checked():
         AgentConfig(tools=[])
     with pytest.raises(ValueError, match="tool_call_format"):
         AgentConfig(tool_call_format="xml")
+
+
+def test_evaluation_runs_episodes_and_scores_their_final_turns(scripted):
+    import numpy as np
+
+    from megatron_rlvr.config import load_config
+    from megatron_rlvr.data.chat import EncodedPrompts
+    from megatron_rlvr.evaluation import EvalSet, Evaluator
+
+    model_dir, engine = scripted
+    cfg = load_config(None, ["eval.n_samples=2", "eval.max_new_tokens=100"])
+    records = [PromptRecord(f"q{i}", QUESTION, "408") for i in range(2)]
+    prompts = EncodedPrompts(records, {r.prompt_id: np.asarray([1], dtype=np.int32) for r in records})
+    seen = []
+
+    async def score(responses, record, count=False):
+        seen.extend(responses)
+        return [1.0 if "12*34" in r else 0.0 for r in responses]
+
+    async def run():
+        manager, client, tokenizer = _manager(model_dir, engine, max_turns=2)
+        evaluator = Evaluator(
+            cfg, [EvalSet("held", prompts)], manager, score, tokenizer.decode, None, messages=lambda r: list(r.prompt)
+        )
+        metrics = await evaluator.evaluate()
+        await client.close()
+        return metrics
+
+    metrics = asyncio.run(run())
+    assert set(seen) == {f"<tool_call>{CALL}</tool_call>"} and len(seen) == 4  # 2 prompts × 2 episodes
+    assert metrics["eval/held/pass@1"] == 1.0 and metrics["eval/held/failed"] == 0
+    assert metrics["eval/held/response_length"] == 8  # sampled tokens of two turns, tool turn excluded
+
+
+_held = threading.Event()
+_release = threading.Event()
+
+
+def _blocking(expression: str) -> str:
+    """Holds until released."""
+    _held.set()
+    _release.wait(60)
+    return "408"
+
+
+blocking = FunctionTool(_blocking, name="calculator")
+
+
+def test_an_abort_while_tools_run_ends_the_episodes_before_their_next_turn(scripted):
+    model_dir, engine = scripted
+
+    async def run():
+        manager, client, _ = _manager(model_dir, engine, tools=[f"{__name__}:blocking"], max_turns=8)
+        manager.submit(PromptItem("q", [1], messages=QUESTION))
+        assert await asyncio.to_thread(_held.wait, 60)  # a tool call is running
+        await manager.abort_all()
+        _release.set()
+        group = await manager.next_group(60)
+        await client.close()
+        return group, manager
+
+    group, manager = asyncio.run(run())
+    assert group.aborted and group.error is None and manager.stats["aborted"] == 1
+    assert all(
+        s.finish_reason == "abort" and s.episode.ended == "abort" and s.episode.turns == 1 for s in group.samples
+    )

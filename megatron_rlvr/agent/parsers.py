@@ -4,6 +4,8 @@
   one JSON object per block, as many blocks as the turn has (SGLang: `qwen`, `qwen25`, `hermes`).
 - `glm45` (GLM-4.5/4.6): `<tool_call>NAME\\n<arg_key>K</arg_key>\\n<arg_value>V</arg_value>...</tool_call>`;
   a value is JSON where it parses as JSON and the schema does not say string (SGLang: `glm45`).
+- `deepseekv3` (DeepSeek-V3): `<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>NAME`,
+  the arguments in a ```json block, `<｜tool▁call▁end｜>`… `<｜tool▁calls▁end｜>` (SGLang: `deepseekv3`).
 
 A call that cannot be read (bad JSON, no name, arguments that are not an object, a block left
 open) is never an exception: it comes back as a ParsedCall with `error` set, and the episode
@@ -120,10 +122,37 @@ def parse_glm45(text: str, schemas: dict[str, dict] | None = None) -> ParsedTurn
     return ParsedTurn(content, calls)
 
 
+_DS_BEGIN, _DS_END = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
+_DS_CALL = re.compile(r"<｜tool▁call▁begin｜>(.*?)<｜tool▁call▁end｜>", re.DOTALL)
+_DS_DETAIL = re.compile(r"(.*)<｜tool▁sep｜>(.*?)\n```json\n(.*)\n```", re.DOTALL)
+
+
+def parse_deepseekv3(text: str, schemas: dict[str, dict] | None = None) -> ParsedTurn:
+    start = text.find(_DS_BEGIN)
+    if start < 0:
+        return ParsedTurn(text, [])
+    calls = []
+    for block in _DS_CALL.findall(text[start:]):
+        detail = _DS_DETAIL.fullmatch(block)
+        if detail is None:
+            calls.append(ParsedCall("", error="a tool call must be function<｜tool▁sep｜>NAME then a ```json block"))
+            continue
+        name, raw = detail.group(2).strip(), detail.group(3)
+        try:
+            arguments = json.loads(raw)
+        except (ValueError, RecursionError) as err:
+            calls.append(ParsedCall(name, error=f"the tool call's arguments are not valid JSON ({err})"))
+            continue
+        calls.append(_from_json({"name": name, "arguments": arguments}))
+    if _DS_END not in text[start:]:
+        calls.append(ParsedCall("", error=f"a {_DS_BEGIN} was not closed with {_DS_END}"))
+    return ParsedTurn(text[:start].strip(), calls)
+
+
 Parser = Callable[[str, "dict[str, dict] | None"], ParsedTurn]
-PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "glm45": parse_glm45}
+PARSERS: dict[str, Parser] = {"hermes": parse_hermes, "glm45": parse_glm45, "deepseekv3": parse_deepseekv3}
 # the format each shipped family's chat template writes tool calls in (families.py)
-FAMILY_FORMATS = {"qwen3_moe": "hermes", "qwen2_moe": "hermes", "glm4_moe": "glm45"}
+FAMILY_FORMATS = {"qwen3_moe": "hermes", "qwen2_moe": "hermes", "glm4_moe": "glm45", "deepseek_v3": "deepseekv3"}
 
 
 def parser_for(fmt: str | None, model_type: str | None) -> Parser:

@@ -41,6 +41,7 @@ class AgentRunner:
             tokenizer, chat_template=chat_template, template_kwargs=template_kwargs, tools=self.pool.schemas()
         )
         check_template(self.renderer)
+        self.max_episode_attempts = cfg.max_episode_attempts  # tries before a group fails (the manager)
         self.settings = EpisodeSettings(max_turns=cfg.max_turns, max_tool_calls_per_turn=cfg.max_tool_calls_per_turn)
 
     def episode(

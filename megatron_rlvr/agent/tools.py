@@ -356,6 +356,9 @@ class ToolPool:
         except TimeoutError:
             call.add_done_callback(_consume)
             return ToolResult(f"error: {name} timed out after {self.timeout_s:g} s", error=True), self.timeout_s
+        except asyncio.CancelledError:  # the episode was cancelled (its group failed): the call runs out
+            call.add_done_callback(_consume)
+            raise
         except ToolInfraError:
             raise
         except Exception as err:  # the tool's own failure: the model sees it
@@ -368,7 +371,8 @@ class ToolPool:
 
 
 def _consume(task: asyncio.Future) -> None:
-    """Reads a timed-out call's late outcome so that asyncio does not log it as unretrieved."""
+    """Reads a call's late outcome (after its deadline or its episode's cancellation) so that
+    asyncio does not log it as unretrieved."""
     if not task.cancelled():
         task.exception()
 

@@ -10,8 +10,6 @@ from pydantic import Field, model_validator
 from megatron_rlvr.config.base import PositiveInt, Section
 from megatron_rlvr.config.base import raise_problems as _raise
 
-TOOL_CALL_FORMATS = ("hermes", "glm45")  # agent/parsers.py PARSERS
-
 
 class AgentConfig(Section):
     """Episodes: the model's turn, its tool calls run, their results appended as the chat
@@ -37,8 +35,10 @@ class AgentConfig(Section):
         "last",
         description="last: the verifier's reward of the final answer; sum: that plus every tool-granted reward",
     )
-    tool_call_format: Literal["hermes", "glm45"] | None = Field(
-        None, description="how tool calls are written; None: the model family's own (qwen: hermes, glm4_moe: glm45)"
+    tool_call_format: Literal["hermes", "glm45", "deepseekv3"] | None = Field(
+        None,
+        description="how tool calls are written; None: the model family's own (qwen: hermes, glm4_moe: glm45, "
+        "deepseek_v3: deepseekv3)",
     )
     max_episode_attempts: PositiveInt = Field(
         2, description="tries of an episode whose tool machinery failed before its group fails (counted)"

@@ -36,6 +36,10 @@ class GroupFailed(RuntimeError):
     """A group's request could not be served (its message says why)."""
 
 
+class ToolsFailed(GroupFailed):
+    """An episode's tool machinery failed on every try."""
+
+
 class EnginesNeedWeights(RuntimeError):
     """Every engine was restarted and waits for the run's current weights: only the learner
     can give them, so the caller syncs, and the groups waiting for an engine go on."""
@@ -240,7 +244,7 @@ class RolloutManager:
                 responses, engine = await self._generate(request, group_id, engine)
                 return responses[0]
 
-            for attempt in range(1, agent.cfg.max_episode_attempts + 1):
+            for attempt in range(1, agent.max_episode_attempts + 1):
                 try:
                     episode = agent.episode(
                         generate,
@@ -257,13 +261,12 @@ class RolloutManager:
                         index=index,
                     )
                 except ToolInfraError as err:
-                    self.stats["tool_retried"] += attempt < agent.cfg.max_episode_attempts
+                    self.stats["tool_retried"] += attempt < agent.max_episode_attempts
                     log.warning(
                         "group %s episode %d: tool machinery failed (try %d): %s", group_id, index, attempt, err
                     )
-                    if attempt == agent.cfg.max_episode_attempts:
-                        self.stats["tool_failed"] += 1
-                        raise GroupFailed(f"the tools failed {attempt} times: {err}") from None
+                    if attempt == agent.max_episode_attempts:
+                        raise ToolsFailed(f"the tools failed {attempt} times: {err}") from None
                     continue
                 sample.engine = self.clients[engine].base_url if engine is not None else ""
                 return sample
@@ -273,6 +276,7 @@ class RolloutManager:
         try:
             samples = await asyncio.gather(*tasks)
         except (GroupFailed, RoutedExpertsError) as err:
+            self.stats["tool_failed"] += isinstance(err, ToolsFailed)  # groups, not episodes
             for task in tasks:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
