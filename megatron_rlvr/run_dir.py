@@ -36,7 +36,7 @@ import numpy as np
 
 from megatron_rlvr.config import ConfigError, ResolvedConfig
 from megatron_rlvr.errors import UserError
-from megatron_rlvr.samples import Group, Sample
+from megatron_rlvr.samples import EpisodeStats, Group, Sample
 
 log = logging.getLogger(__name__)
 METRICS = "metrics.jsonl"
@@ -336,12 +336,15 @@ def learner_checkpoint(path: str | Path, what: str) -> Path:
 # ----------------------------------------------------------------------------- the run state as JSON
 # Tagged values JSON has no type for; reading builds only these, never arbitrary objects.
 _TUPLE, _ARRAY, _GROUP, _SAMPLE = "__tuple__", "__ndarray__", "__group__", "__sample__"
+_EPISODE = "__episode__"  # an episode's Sample.episode (agent/)
 
 
 def _encode(value: Any) -> Any:
     if isinstance(value, Group | Sample):
         tag = _GROUP if isinstance(value, Group) else _SAMPLE
         return {tag: {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
+    if isinstance(value, EpisodeStats):
+        return {_EPISODE: {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}}
     if isinstance(value, np.ndarray | np.generic):
         array = np.ascontiguousarray(value)
         if array.dtype.hasobject:
@@ -377,6 +380,8 @@ def _decode(value: Any) -> Any:
         if tag in (_GROUP, _SAMPLE):
             fields = {k: _decode(v) for k, v in inner.items()}
             return Group(**fields) if tag == _GROUP else Sample(**fields)
+        if tag == _EPISODE:
+            return EpisodeStats(**{k: _decode(v) for k, v in inner.items()})
     return {k: _decode(v) for k, v in value.items()}
 
 

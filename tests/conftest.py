@@ -75,9 +75,14 @@ def tiny_hf_dir(tmp_path_factory):
     return build_tiny_hf_model(TinyModel(), tmp_path_factory.mktemp("tiny-qwen3-moe"), VOCAB)
 
 
-# shipped configs that start from another command's output (the long-answer demo's RL stage
-# takes the cold start's export): checked with a model folder made here in its place
-STARTS_FROM_AN_EXPORT = {"long-answers-cpu.yaml", "compare-replay-long-cpu.yaml"}
+# shipped configs that start from another command's output (the long-answer and tool demos' RL
+# stages take their cold start's export): checked with a model folder made here in its place
+STARTS_FROM_AN_EXPORT = {
+    "long-answers-cpu.yaml",
+    "compare-replay-long-cpu.yaml",
+    "tool-calculator-cpu.yaml",
+    "tool-calculator-direct-cpu.yaml",
+}
 
 
 @pytest.fixture(scope="session")
