@@ -113,7 +113,10 @@ async def measure(
             return await episode.run(messages, sampling, rid=f"b{index}", index=index)
 
     started = time.monotonic()
-    samples = await asyncio.gather(*(one(i, m) for i, m in enumerate(prompts)))
+    try:
+        samples = await asyncio.gather(*(one(i, m) for i, m in enumerate(prompts)))
+    finally:
+        pool.close()
     wall = time.monotonic() - started
     stats = [s.episode for s in samples if s.episode is not None]
     calls = sum(s.tool_calls for s in stats)

@@ -518,6 +518,8 @@ def _teardown(run: Run) -> None:
             lambda client=client: run.rollout.submit(client.close()).result(timeout=10),
         )
     attempt("stopping the rollout thread", run.rollout.close)
+    if run.manager is not None and run.manager.agent is not None:
+        attempt("stopping the tool workers", run.manager.agent.pool.close)
     if run.learners is not None:
         attempt("closing the learner ranks", lambda: run.learners.close(graceful=not urgent))
     if run.verifiers is not None:

@@ -2,6 +2,7 @@
 bounds, the pool's output cap, and the python tool in the sandbox."""
 
 import asyncio
+import threading
 from pathlib import Path
 
 import pytest
@@ -104,6 +105,28 @@ def test_the_pool_caps_output_and_names_unknown_tools():
     assert len(long.text) == 120 and "[880 characters truncated]" in long.text
     assert long.text.startswith("abcdefghij") and long.text.endswith("abcdefghij")
     assert unknown.error and "no tool named 'nope' (tools: echo)" in unknown.text
+
+
+def test_the_pool_runs_as_many_sync_calls_at_once_as_it_has_workers():
+    """40 blocking calls that can only finish together (a barrier of 40) all finish: each runs
+    on a thread of the pool's own. On asyncio's default executor (min(32, cpus + 4) threads)
+    the barrier breaks and every call is an error."""
+    calls = 40
+    barrier = threading.Barrier(calls, timeout=20)
+
+    def wait_for_all() -> str:
+        barrier.wait()
+        return "ok"
+
+    pool = ToolPool({"wait": FunctionTool(wait_for_all, name="wait")}, workers=calls, timeout_s=30)
+
+    async def run():
+        try:
+            return await asyncio.gather(*(pool.run("wait", {}, None) for _ in range(calls)))
+        finally:
+            pool.close()
+
+    assert [result.text for result, _ in asyncio.run(run())] == ["ok"] * calls
 
 
 def test_the_python_tool_runs_code_in_the_sandbox():

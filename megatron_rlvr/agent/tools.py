@@ -23,7 +23,9 @@ import operator
 import re
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, get_type_hints
 
 from megatron_rlvr.errors import UserError
@@ -50,7 +52,7 @@ class ToolResult:
 
 class Tool:
     """Subclass and set name, description, parameters (a JSON schema object); implement call
-    (sync, run in a worker thread) or acall (async). Raise ToolInfraError for a failure of the
+    (sync: the pool runs it on one of its own threads) or acall (async, on the event loop). Raise ToolInfraError for a failure of the
     tool's own machinery; any other exception is shown to the model as an error."""
 
     name: str = ""
@@ -68,8 +70,8 @@ class Tool:
         raise NotImplementedError
 
     async def acall(self, arguments: dict[str, Any], **record_kwargs: Any) -> str | ToolResult:
-        """Async tools override this; the default runs `call` in a worker thread."""
-        return await asyncio.to_thread(self.call, arguments, **record_kwargs)
+        """Async tools override this (sync ones override call)."""
+        raise NotImplementedError
 
     @property
     def is_async(self) -> bool:
@@ -151,8 +153,7 @@ class FunctionTool(Tool):
         return self.fn(**arguments, **self._kwargs(record_kwargs))
 
     async def acall(self, arguments: dict[str, Any], **record_kwargs: Any) -> str | ToolResult:
-        if not inspect.iscoroutinefunction(self.fn):
-            return await asyncio.to_thread(self.call, arguments, **record_kwargs)
+        """An async function's call (a sync one's goes through call)."""
         problem = self._check(arguments)
         if problem:
             return ToolResult(problem, error=True)
@@ -333,6 +334,9 @@ class ToolPool:
         self.tools, self.timeout_s, self.max_chars = tools, timeout_s, max_chars
         self.acquire_timeout_s = acquire_timeout_s if acquire_timeout_s is not None else 4 * timeout_s + 10
         self._slots = asyncio.Semaphore(workers)
+        # sync tools run on these threads, `workers` of them (asyncio's default executor has
+        # min(32, cpus + 4): 6 on 2 cores, whatever agent.tool_workers says)
+        self._threads = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="tool")
 
     def schemas(self) -> list[dict[str, Any]]:
         return [tool.schema() for tool in self.tools.values()]
@@ -349,7 +353,11 @@ class ToolPool:
                 f"no tool worker came free within {self.acquire_timeout_s:.0f} s (every one held by a call)"
             ) from None
         started = time.monotonic()
-        call = asyncio.ensure_future(tool.acall(arguments, **record_kwargs(extra, name)))
+        kwargs = record_kwargs(extra, name)
+        if tool.is_async:
+            call = asyncio.ensure_future(tool.acall(arguments, **kwargs))
+        else:
+            call = asyncio.get_running_loop().run_in_executor(self._threads, partial(tool.call, arguments, **kwargs))
         call.add_done_callback(lambda _: self._slots.release())  # a worker is free once its call ends
         try:
             value = await asyncio.wait_for(asyncio.shield(call), self.timeout_s)
@@ -368,6 +376,10 @@ class ToolPool:
         result = value if isinstance(value, ToolResult) else ToolResult(str(value))
         result.text = truncate(result.text, self.max_chars)
         return result, time.monotonic() - started
+
+    def close(self) -> None:
+        """No new calls; threads still running a call end when it returns."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
 
 
 def _consume(task: asyncio.Future) -> None:
