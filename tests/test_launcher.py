@@ -410,8 +410,16 @@ def test_a_dead_owner_never_leaves_its_server_running(tmp_path):
     log = tmp_path / "o.log"  # the server prints its child's pid once both run
     while time.monotonic() < deadline and not (log.exists() and log.read_text().strip()):
         time.sleep(0.1)
-    tree = psutil.Process(owner.pid).children(recursive=True)
-    servers = [p for p in tree if "watchdog" not in " ".join(p.cmdline())]
+
+    def tree_and_servers() -> tuple[list[psutil.Process], list[psutil.Process]]:
+        tree = psutil.Process(owner.pid).children(recursive=True)
+        return tree, [p for p in tree if "watchdog" not in " ".join(p.cmdline())]
+
+    # a process just forked shows its parent's command line until it execs: wait for the watchdog's
+    tree, servers = tree_and_servers()
+    while time.monotonic() < deadline and (len(servers) != 2 or len(tree) != 3):
+        time.sleep(0.1)
+        tree, servers = tree_and_servers()
     assert len(servers) == 2 and any("watchdog" in " ".join(p.cmdline()) for p in tree)
     os.kill(owner.pid, signal.SIGKILL)
     owner.wait()
