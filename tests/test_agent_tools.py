@@ -2,6 +2,7 @@
 bounds, the pool's output cap, and the python tool in the sandbox."""
 
 import asyncio
+import os
 import threading
 from pathlib import Path
 
@@ -140,3 +141,15 @@ def test_the_python_tool_runs_code_in_the_sandbox():
     slow = tool.call({"code": "while True: pass"})
     assert slow.error and "timeout" in slow.text
     assert tool.call({"code": 1}).error
+
+
+def test_python_tool_code_cannot_touch_what_scores_it(tmp_path):
+    """Model-written code in the tool can neither write a file outside its own folder (a
+    verdict, a checkpoint) nor signal the process that runs the rollout and the verifiers."""
+    tool = PythonTool(timeout_s=5.0)
+    verdict = tmp_path / "verdict.json"
+    verdict.write_text("0")
+    write = tool.call({"code": f"open({str(verdict)!r}, 'w').write('1'); print('wrote')"})
+    assert write.error and "wrote" not in write.text and verdict.read_text() == "0"
+    kill = tool.call({"code": f"import os, signal; os.kill({os.getpid()}, signal.SIGKILL); print('sent')"})
+    assert kill.error and "sent" not in kill.text  # and this process is alive to say so
