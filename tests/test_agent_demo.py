@@ -19,7 +19,7 @@ from megatron_rlvr.data.tool_arithmetic import (
     worked_traces,
     write_files,
 )
-from megatron_rlvr.rewards.math import verify_math
+from megatron_rlvr.rewards.math.verifier import verify_math
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -354,6 +354,7 @@ class ToolPool:
             ) from None
         started = time.monotonic()
         kwargs = record_kwargs(extra, name)
+        call: asyncio.Future[str | ToolResult]
         if tool.is_async:
             call = asyncio.ensure_future(tool.acall(arguments, **kwargs))
         else:
