@@ -152,7 +152,7 @@ class Episode:
         assert last is not None
         finish = stats.ended if stats.ended in ("length", "abort") else last.meta_info.finish_reason.type
         routed = None
-        if self.decode_routing is not None:
+        if self.decode_routing is not None and finish != "abort":  # an aborted episode is never trained
             routed = self.decode_routing(last.meta_info, f"{group_id}/{index}")
             if routed is not None:  # R3 across turns: agent/routing.py
                 routed = episode_routing(routed, len(prompt) + len(response), f"{group_id}/{index}")
