@@ -4,8 +4,6 @@ It never joins the weight-sync group, so its weights are the checkpoint's for th
 
 from __future__ import annotations
 
-import socket
-
 from megatron_rlvr.config import CpuEngine, SglangEngine
 from megatron_rlvr.config.judge import JudgeConfig
 from megatron_rlvr.rewards.judge.client import JudgeEndpoint
@@ -23,13 +21,14 @@ class JudgeHost:
 
     def start(self) -> JudgeEndpoint:
         from megatron_rlvr.launch.cluster import node_ip
+        from megatron_rlvr.learner.parallel import free_port
 
         assert self.judge.model_path is not None, "a served judge has a model_path (checked by the config)"
         self.server = engine_process(
             self.judge.model_path,
             self.engine,
             host=self.bind,
-            port=_free_port("" if self.bind == "0.0.0.0" else self.bind),
+            port=free_port("" if self.bind == "0.0.0.0" else self.bind),
             routed_experts=False,
             log_dir=self.log_dir,
             name=f"judge engine ({self.engine.type})",
@@ -47,9 +46,3 @@ class JudgeHost:
 
     def close(self) -> None:
         self.stop()
-
-
-def _free_port(host: str) -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
